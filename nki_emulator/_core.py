@@ -1,0 +1,263 @@
+"""Tensors, memories and the checks every instruction shares.
+
+A tensor is a NumPy view plus the memory it lives in. SBUF and PSUM tensors are tiles: axis 0 is
+the partition axis (at most 128 partitions) and every other axis is free. Fresh tensors are
+filled with NaN (floats) or a poison word (integers) so a read of anything never written shows up
+in the results instead of passing silently as zero.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+class EmulatorError(RuntimeError):
+    """A kernel did something the NeuronCore would reject or that would read/write out of bounds."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware constants (Trainium2 NeuronCore).
+PMAX = 128  # partitions of SBUF and PSUM
+SBUF_PARTITION_BYTES = 192 * 1024  # 24 MiB SBUF / 128 partitions
+PSUM_PARTITION_BYTES = 16 * 1024  # 2 MiB PSUM / 128 partitions: 8 banks of 2 KiB
+PSUM_BANK_BYTES = 2 * 1024
+GEMM_STATIONARY_FMAX = 128
+GEMM_MOVING_FMAX = 512
+
+INT_POISON = {1: 0xA5, 2: 0xA5A5, 4: 0x5A5AA5A5}  # unsigned bit patterns by item size
+
+
+# ---------------------------------------------------------------------------------------------
+# Memories.
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+
+    @property
+    def on_chip(self) -> bool:
+        return self.name in ("sbuf", "psum")
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
+SBUF = Buffer("sbuf")
+PSUM = Buffer("psum")
+PRIVATE_HBM = Buffer("private_hbm")
+SHARED_HBM = Buffer("shared_hbm")
+HBM_BUFFERS = (PRIVATE_HBM, SHARED_HBM)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data types: NumPy dtypes, with ml_dtypes for bfloat16 and the fp8 formats.
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2}
+INT_DTYPES = {np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.bool_)}
+MATMUL_DTYPES = FLOAT_DTYPES
+
+
+def as_dtype(dtype) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt not in FLOAT_DTYPES and dt not in INT_DTYPES:
+        raise EmulatorError(f"unsupported NKI dtype {dt}")
+    return dt
+
+
+def is_int(dtype) -> bool:
+    return np.dtype(dtype) in INT_DTYPES
+
+
+def poison(shape, dtype: np.dtype) -> np.ndarray:
+    if dtype in FLOAT_DTYPES:
+        return np.full(shape, np.nan, dtype=np.float32).astype(dtype)
+    word = INT_POISON[dtype.itemsize]
+    return np.full(shape, word, dtype=np.dtype(f"u{dtype.itemsize}")).view(dtype)
+
+
+def cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """What an engine writes: float results rounded to nearest even, integers rounded then wrapped."""
+    if dtype in FLOAT_DTYPES:
+        return np.asarray(values).astype(np.float32).astype(dtype) if dtype.itemsize < 4 else np.asarray(values).astype(dtype)
+    values = np.asarray(values)
+    if values.dtype.kind == "f":
+        if np.isnan(values).any():
+            raise EmulatorError("converting NaN to an integer dtype: the tile read memory that was never written")
+        values = np.rint(values)
+    return values.astype(np.int64).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# On-chip memory accounting: live tiles per partition, released when the last view goes away.
+class _Ledger:
+    def __init__(self):
+        self.live = {SBUF: 0, PSUM: 0}
+
+    def allocate(self, array: np.ndarray, buffer: Buffer, per_partition: int) -> None:
+        limit = SBUF_PARTITION_BYTES if buffer is SBUF else PSUM_PARTITION_BYTES
+        if self.live[buffer] + per_partition > limit:
+            raise EmulatorError(
+                f"{buffer!r} exhausted: {self.live[buffer]} bytes per partition live, "
+                f"{per_partition} more requested, {limit} available")
+        self.live[buffer] += per_partition
+        weakref.finalize(array, self._release, buffer, per_partition)
+
+    def _release(self, buffer: Buffer, per_partition: int) -> None:
+        self.live[buffer] -= per_partition
+
+
+LEDGER = _Ledger()
+
+
+def reset_ledger() -> None:
+    global LEDGER
+    LEDGER = _Ledger()
+
+
+# ---------------------------------------------------------------------------------------------
+class Tensor:
+    """A tensor in one memory. Indexing with ints and slices gives views, as NKI tile slicing does."""
+
+    def __init__(self, array: np.ndarray, buffer: Buffer, name: str = "", whole: bool = True):
+        self.array = array
+        self.buffer = buffer
+        self.name = name
+        self.whole = whole  # not a slice of a larger tensor: .ap() addresses its storage
+
+    @property
+    def shape(self) -> tuple:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.array.ndim
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name or '?'}, {self.shape}, {self.dtype}, {self.buffer!r})"
+
+    def __getitem__(self, key) -> "Tensor":
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) > self.ndim:
+            raise EmulatorError(f"{len(key)} indices for a {self.ndim}-d tensor {self!r}")
+        for axis, k in enumerate(key):
+            size = self.shape[axis]
+            if isinstance(k, slice):
+                if k.step not in (None, 1):
+                    raise EmulatorError("strided slices are not emulated; use .ap()")
+                start, stop = 0 if k.start is None else k.start, size if k.stop is None else k.stop
+                if not (0 <= start <= stop <= size):
+                    raise EmulatorError(f"slice {start}:{stop} out of bounds for axis {axis} of size {size} in {self!r}")
+            elif isinstance(k, (int, np.integer)):
+                if not 0 <= k < size:
+                    raise EmulatorError(f"index {k} out of bounds for axis {axis} of size {size} in {self!r}")
+            else:
+                raise EmulatorError(f"unsupported index {k!r}: use ints and slices, or .ap() for dynamic access")
+        if self.buffer.on_chip and isinstance(key[0], (int, np.integer)):
+            raise EmulatorError("a tile keeps its partition axis: index it with a slice, e.g. t[0:1, ...]")
+        return Tensor(self.array[key], self.buffer, self.name, whole=False)
+
+    def ap(self, pattern, offset=0, vector_offset=None, indirect_dim=0, scalar_offset=None, dtype=None):
+        if not self.whole:
+            raise EmulatorError(".ap() addresses a whole tensor's storage; call it on the tensor, not a slice")
+        if dtype is not None or scalar_offset is not None:
+            raise EmulatorError("only pattern/offset/vector_offset/indirect_dim access patterns are emulated")
+        return AccessPattern(self, [list(map(int, p)) for p in pattern], int(offset), vector_offset, int(indirect_dim))
+
+
+class AccessPattern:
+    """tensor.ap(pattern=[[step, count], ...], offset, vector_offset=idx, indirect_dim=d).
+
+    Element (i0, i1, ...) lives at flat storage address offset + sum_d i_d * step_d; with a
+    vector offset, dimension d's index i_d is replaced by idx[i_d, 0], and a lane whose index lies
+    outside the tensor's extent along that dimension (size // step_d) is out of bounds.
+    """
+
+    def __init__(self, tensor: Tensor, pattern, offset, vector_offset, indirect_dim):
+        if not pattern or any(len(p) != 2 or p[1] < 0 for p in pattern):
+            raise EmulatorError(f"access pattern must be a list of [step, count] pairs, got {pattern}")
+        self.tensor, self.pattern, self.offset = tensor, pattern, offset
+        self.vector_offset, self.indirect_dim = vector_offset, indirect_dim
+        if vector_offset is not None:
+            if not isinstance(vector_offset, Tensor) or vector_offset.buffer is not SBUF:
+                raise EmulatorError("vector_offset must be an SBUF tile")
+            if vector_offset.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
+                raise EmulatorError(f"vector_offset must be int32/uint32, got {vector_offset.dtype}")
+            if not 0 <= indirect_dim < len(pattern):
+                raise EmulatorError(f"indirect_dim {indirect_dim} outside the {len(pattern)}-d pattern")
+            lanes = pattern[indirect_dim][1]
+            if vector_offset.shape != (lanes, 1):
+                raise EmulatorError(f"vector_offset must have shape ({lanes}, 1) to index dimension "
+                                    f"{indirect_dim} of {pattern}, got {vector_offset.shape}")
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(count for _, count in self.pattern)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.tensor.dtype
+
+    @property
+    def buffer(self) -> Buffer:
+        return self.tensor.buffer
+
+    def resolve(self):
+        """(flat storage, addresses[shape], lanes in bounds along the indirect dim or None)."""
+        storage = self.tensor.array.reshape(-1)
+        addresses = np.full(self.shape, self.offset, dtype=np.int64)
+        valid = None
+        for d, (step, count) in enumerate(self.pattern):
+            index = np.arange(count, dtype=np.int64)
+            if self.vector_offset is not None and d == self.indirect_dim:
+                index = self.vector_offset.array[:, 0].astype(np.int64)
+                if self.vector_offset.dtype == np.dtype(np.int32) and (index == _as_signed(INT_POISON[4])).any():
+                    raise EmulatorError("vector_offset holds never-written entries")
+                extent = storage.size // step if step else 1
+                valid = (index >= 0) & (index < extent)
+                index = np.where(valid, index, 0)
+            shape = [1] * len(self.pattern)
+            shape[d] = count
+            addresses = addresses + (index * step).reshape(shape)
+        inside = (addresses >= 0) & (addresses < storage.size)
+        if valid is not None:
+            lane_shape = [1] * len(self.pattern)
+            lane_shape[self.indirect_dim] = -1
+            inside = inside | ~valid.reshape(lane_shape)
+        if addresses.size and not inside.all():
+            raise EmulatorError(f"access pattern {self.pattern} + {self.offset} leaves {self.tensor!r}")
+        return storage, addresses, valid
+
+
+def _as_signed(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def new_tensor(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
+    shape = tuple(int(s) for s in shape)
+    dtype = as_dtype(dtype)
+    if any(s <= 0 for s in shape):
+        raise EmulatorError(f"tensor {name or ''} shape {shape}: every dimension must be positive")
+    if buffer.on_chip:
+        if len(shape) < 2:
+            raise EmulatorError(f"{buffer!r} tiles need a partition axis and a free axis, got shape {shape}")
+        if shape[0] > PMAX:
+            raise EmulatorError(f"{buffer!r} tile partition dimension {shape[0]} exceeds {PMAX}")
+        per_partition = math.prod(shape[1:]) * dtype.itemsize
+        if buffer is PSUM and per_partition > PSUM_BANK_BYTES:
+            raise EmulatorError(f"PSUM tile of {per_partition} bytes per partition exceeds one {PSUM_BANK_BYTES}-byte bank")
+        array = poison(shape, dtype)
+        LEDGER.allocate(array, buffer, per_partition)
+    else:
+        array = poison(shape, dtype)
+    return Tensor(array, buffer, name)
