@@ -1,0 +1,319 @@
+"""The NKI emulator itself: each hardware rule it enforces fires, and the instructions compute what
+the NKI documentation says they compute."""
+
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nki_emulator
+from nki_emulator import EmulatorError, jit, simulate
+from nki_emulator import isa as nisa
+from nki_emulator import language as nl
+
+
+def run(body, *arrays):
+    """Run `body(*hbm_tensors)` as a kernel; it returns the output tensors."""
+    return jit(body)(*arrays)
+
+
+def copy_through_sbuf(a):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=a)
+    nisa.dma_copy(dst=out, src=tile)
+    return out
+
+
+def test_round_trip_and_simulate_signature():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(run(copy_through_sbuf, a), a)
+    np.testing.assert_array_equal(simulate(jit(copy_through_sbuf))(a), a)
+    b = a.astype(ml_dtypes.bfloat16)
+    assert run(copy_through_sbuf, b).dtype == b.dtype
+
+
+def test_install_registers_modules_only_without_real_nki():
+    saved = {k: sys.modules.get(k) for k in ("nki", "nki.language", "nki.isa", "nki.collectives")}
+    try:
+        installed = nki_emulator.install()
+        assert installed == (not nki_emulator.real_nki_available() or getattr(sys.modules.get("nki"), "__nki_emulator__", False))
+        if installed:
+            import nki
+            import nki.isa
+            import nki.language
+            assert nki.language is nl and nki.isa is nisa and nki.__nki_emulator__
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+# --- tile limits ---------------------------------------------------------------------------
+def test_partition_dimension_at_most_128():
+    with pytest.raises(EmulatorError, match="partition dimension 129 exceeds 128"):
+        run(lambda: nl.ndarray((129, 4), dtype=nl.float32, buffer=nl.sbuf))
+    with pytest.raises(EmulatorError, match="partition dimension"):
+        run(lambda: nl.ndarray((256, 4), dtype=nl.float32, buffer=nl.psum))
+
+
+def test_tiles_need_a_free_axis():
+    with pytest.raises(EmulatorError, match="partition axis and a free axis"):
+        run(lambda: nl.ndarray((128,), dtype=nl.float32, buffer=nl.sbuf))
+
+
+def test_psum_tile_fits_one_bank():
+    with pytest.raises(EmulatorError, match="exceeds one 2048-byte bank"):
+        run(lambda: nl.ndarray((128, 513), dtype=nl.float32, buffer=nl.psum))
+
+
+def test_psum_capacity_counts_live_tiles():
+    def body():
+        banks = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(9)]
+        return banks
+    with pytest.raises(EmulatorError, match="psum exhausted"):
+        run(body)
+
+
+def test_sbuf_capacity_counts_live_tiles_and_frees_dead_ones():
+    def leaky():
+        return [nl.ndarray((128, 16 * 1024), dtype=nl.float32, buffer=nl.sbuf) for _ in range(4)]  # 4 x 64 KiB
+    with pytest.raises(EmulatorError, match="sbuf exhausted"):
+        run(leaky)
+
+    def loop(a):
+        for _ in range(10):  # each iteration's tile dies when the name is rebound
+            tile = nl.ndarray((128, 16 * 1024), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(tile, value=0.0)
+        return copy_through_sbuf(a)
+    run(loop, np.zeros((2, 2), np.float32))
+
+
+# --- poisoned memory -------------------------------------------------------------------------
+def test_fresh_memory_is_poisoned():
+    def body(a):
+        out = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        tile = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile[0:2, :], src=a)  # rows 2, 3 never written
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    out = run(body, np.ones((2, 4), np.float32))
+    assert np.isnan(out[2:]).all() and (out[:2] == 1).all()
+
+
+def test_unwritten_integer_memory_is_poison_not_zero():
+    def body(a):
+        out = nl.ndarray((2, 2), dtype=nl.int32, buffer=nl.shared_hbm)
+        tile = nl.ndarray((2, 2), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    assert (run(body, np.zeros((1, 1), np.int32)) != 0).all()
+
+
+def test_never_written_index_tile_is_rejected():
+    def body(a):
+        idx = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
+        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=0),
+                      oob_mode=nisa.oob_mode.skip)
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="never-written"):
+        run(body, np.zeros((3, 4), np.float32))
+
+
+def test_nan_to_integer_conversion_is_an_error():
+    def body(a):
+        f = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf)
+        i = nl.ndarray((2, 2), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=i, src=f)
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="never written"):
+        run(body, np.zeros((1, 1), np.float32))
+
+
+# --- DMA -------------------------------------------------------------------------------------
+def gather_rows(a, idx, mode):
+    out = nl.ndarray((idx.shape[0], a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+    idx_tile = nl.ndarray(idx.shape, dtype=idx.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx_tile, src=idx)
+    rows = nl.ndarray((idx.shape[0], a.shape[1]), dtype=a.dtype, buffer=nl.sbuf)
+    nisa.memset(rows, value=0.0)
+    nisa.dma_copy(dst=rows, src=a.ap([[a.shape[1], idx.shape[0]], [1, a.shape[1]]], offset=0, vector_offset=idx_tile,
+                                     indirect_dim=0), oob_mode=mode)
+    nisa.dma_copy(dst=out, src=rows)
+    return out
+
+
+def test_indirect_gather_and_out_of_bounds_lanes():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    idx = np.array([[2], [0], [-1], [3]], dtype=np.int32)
+    out = run(lambda a, i: gather_rows(a, i, nisa.oob_mode.skip), a, idx)
+    np.testing.assert_array_equal(out, np.stack([a[2], a[0], np.zeros(4), np.zeros(4)]))
+    with pytest.raises(EmulatorError, match="out of bounds at lanes \\[2, 3\\]"):
+        run(lambda a, i: gather_rows(a, i, nisa.oob_mode.error), a, idx)
+
+
+def test_indirect_scatter_skips_out_of_bounds_lanes():
+    def body(src, idx):
+        out = nl.ndarray((4,), dtype=src.dtype, buffer=nl.shared_hbm)
+        zero = nl.ndarray((4, 1), dtype=src.dtype, buffer=nl.sbuf)
+        nisa.memset(zero, value=0.0)
+        nisa.dma_copy(dst=out.ap([[1, 4], [1, 1]], offset=0), src=zero)
+        vals = nl.ndarray((3, 1), dtype=src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=vals, src=src)
+        where = nl.ndarray((3, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=where, src=idx)
+        nisa.dma_copy(dst=out.ap([[1, 3], [1, 1]], offset=0, vector_offset=where, indirect_dim=0), src=vals,
+                      oob_mode=nisa.oob_mode.skip)
+        return out
+    out = run(body, np.array([[5.0], [6.0], [7.0]], np.float32), np.array([[3], [4], [0]], np.int32))
+    np.testing.assert_array_equal(out, [7.0, 0.0, 0.0, 5.0])
+
+
+def test_dma_does_not_convert_or_reshape():
+    def body(a):
+        tile = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a)
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="does not convert"):
+        run(body, np.zeros((2, 2), np.float32))
+
+    def body2(a):
+        tile = nl.ndarray((4, 1), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a)
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="shapes differ"):
+        run(body2, np.zeros((2, 2), np.float32))
+
+
+def test_vector_offset_rules():
+    def body(a, idx):
+        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=0))
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="vector_offset must be an SBUF tile"):
+        run(body, np.zeros((3, 4), np.float32), np.zeros((2, 1), np.int32))
+
+
+def test_slices_stay_in_bounds():
+    def body(a):
+        tile = nl.ndarray((4, 4), dtype=a.dtype, buffer=nl.sbuf)
+        return tile[0:5, :]
+    with pytest.raises(EmulatorError, match="out of bounds"):
+        run(body, np.zeros((1, 1), np.float32))
+
+
+def test_outputs_must_be_shared_hbm():
+    def body(a):
+        tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a)
+        return tile
+    with pytest.raises(EmulatorError, match="shared_hbm"):
+        run(body, np.zeros((2, 2), np.float32))
+
+
+# --- compute engines ----------------------------------------------------------------------------
+def test_engines_cannot_read_hbm():
+    def body(a):
+        tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile, src=a)
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="compute engines cannot read HBM"):
+        run(body, np.zeros((2, 2), np.float32))
+
+
+def test_matmul_layout_and_dtype_rules():
+    def body(a, b, psum_dtype=nl.float32, dst_shape=None):
+        sa = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        sb = nl.ndarray(b.shape, dtype=b.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sa, src=a)
+        nisa.dma_copy(dst=sb, src=b)
+        out_tile = nl.ndarray(dst_shape or (a.shape[1], b.shape[1]), dtype=psum_dtype, buffer=nl.psum)
+        nisa.nc_matmul(dst=out_tile, stationary=sa, moving=sb)
+        result = nl.ndarray(out_tile.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=result, src=out_tile)
+        out = nl.ndarray(out_tile.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=result)
+        return out
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 3)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
+    np.testing.assert_allclose(run(body, a, b), a.T @ b, rtol=1e-5)
+    with pytest.raises(EmulatorError, match="contraction"):
+        run(body, a, b[:4].copy())
+    with pytest.raises(EmulatorError, match="fp32 PSUM"):
+        run(lambda a, b: body(a, b, psum_dtype=nl.bfloat16), a, b)
+    with pytest.raises(EmulatorError, match="stationary dtype int32"):
+        run(body, a.astype(np.int32), b)
+    with pytest.raises(EmulatorError, match="free sizes"):
+        run(lambda a, b: body(a, b, dst_shape=(2, 4)), np.zeros((2, 129), np.float32), np.zeros((2, 4), np.float32))
+
+
+def test_bitvec_operators_need_integers():
+    def body(a):
+        f = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=f, src=a)
+        nisa.tensor_scalar(dst=f, data=f, op0=nl.bitwise_and, operand0=-16)
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="bitvec"):
+        run(body, np.zeros((2, 2), np.float32))
+
+
+def test_engine_semantics():
+    def body(a):
+        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        scan = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        ones = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(ones, value=1.0)
+        nisa.tensor_tensor_scan(dst=scan, data0=ones, data1=t, initial=0.0, op0=nl.multiply, op1=nl.add)
+        red = nl.ndarray((a.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=red, op=nl.add, data=t, axis=1, keepdims=True)
+        io = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(io, pattern=[[1, a.shape[1]]], offset=10, channel_multiplier=100)
+        rounded = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=rounded, data=t, op0=nl.add, operand0=15.0)
+        nisa.tensor_scalar(dst=rounded, data=rounded, op0=nl.bitwise_and, operand0=-16)
+        stt = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=stt, data=t, op0=nl.multiply, operand0=red, op1=nl.subtract, operand1=io)
+        outs = []
+        for tile in (scan, red, io, rounded, stt):
+            out = nl.ndarray(tile.shape, dtype=tile.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=tile)
+            outs.append(out)
+        return tuple(outs)
+    a = np.array([[1, 2, 3], [4, 5, 6]], np.float32)
+    scan, red, io, rounded, stt = run(body, a)
+    np.testing.assert_array_equal(scan, np.cumsum(a, axis=1))
+    np.testing.assert_array_equal(red, a.sum(1, keepdims=True))
+    np.testing.assert_array_equal(io, [[10, 11, 12], [110, 111, 112]])
+    np.testing.assert_array_equal(rounded, [[16, 16, 16], [16, 16, 16]])
+    np.testing.assert_array_equal(stt, a * a.sum(1, keepdims=True) - io)
+
+
+def test_reduce_axes_and_result_shape():
+    def body(a):
+        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        red = nl.ndarray((a.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=red, op=nl.add, data=t, axis=1)  # keepdims=False gives shape (P,)
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="keepdims"):
+        run(body, np.zeros((2, 3), np.float32))
+
+
+def test_engines_round_to_the_destination_dtype():
+    def body(a):
+        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        b = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=b, src=t)
+        out = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=b)
+        return out
+    a = np.array([[1.00390625, 1.01171875]], np.float32)  # halfway cases: ties to even
+    np.testing.assert_array_equal(run(body, a).astype(np.float32), a.astype(ml_dtypes.bfloat16).astype(np.float32))
