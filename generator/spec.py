@@ -1,0 +1,162 @@
+"""Load and validate `variants.toml`; derive each variant's canonical name.
+
+The spec is data: every mistake is reported as a `SpecError` naming the file, the variant and
+the key, so a user can fix it without reading this module.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+ROUTINGS = ("mask", "index")
+SCALES = ("none", "block128", "mx32")
+TARGETS = ("triton", "nki")
+MAX_PAD = 256
+
+AXES = ("dtype", "routing", "probs", "scale", "pad", "targets")
+ALLOWED_KEYS = frozenset(AXES) | {"name"}
+# Values every variant gets unless it or [defaults] says otherwise.
+BUILTIN_DEFAULTS = {"probs": True, "scale": "none", "pad": 0, "targets": list(TARGETS)}
+
+_SAFE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class SpecError(ValueError):
+    """A malformed spec; the message names file, variant and key."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    dtype: str
+    routing: str
+    probs: bool
+    scale: str
+    pad: int
+    targets: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return variant_name(self)
+
+    def axes(self) -> dict:
+        """The normalised spec entry, as plain data (what generated modules export as VARIANT)."""
+        data = asdict(self)
+        data["targets"] = list(self.targets)
+        return {"name": self.name, **data}
+
+
+def variant_name(v: Variant) -> str:
+    """One fixed rule: [probs_][pad<P>_]<dtype>[_<scale>]_<routing>, e.g. probs_pad128_fp8e4m3_block128_mask."""
+    parts = []
+    if v.probs:
+        parts.append("probs")
+    if v.pad:
+        parts.append(f"pad{v.pad}")
+    parts.append(v.dtype.replace("_", ""))
+    if v.scale != "none":
+        parts.append(v.scale)
+    parts.append(v.routing)
+    return "_".join(parts)
+
+
+def _fail(path, where: str, key: str | None, message: str):
+    at = f"{path}: {where}" + (f", key '{key}'" if key else "")
+    raise SpecError(f"{at}: {message}")
+
+
+def _check_choice(path, where, key, value, choices):
+    if not isinstance(value, str) or value not in choices:
+        _fail(path, where, key, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _validate_entry(path, where: str, entry: dict) -> Variant:
+    for key in entry:
+        if key not in ALLOWED_KEYS:
+            _fail(path, where, key, f"unknown key; allowed keys are {', '.join(sorted(ALLOWED_KEYS))}")
+    for key in ("dtype", "routing"):
+        if key not in entry:
+            _fail(path, where, key, "missing (set it in the variant or in [defaults])")
+    _check_choice(path, where, "dtype", entry["dtype"], DTYPES)
+    _check_choice(path, where, "routing", entry["routing"], ROUTINGS)
+    _check_choice(path, where, "scale", entry["scale"], SCALES)
+    if not isinstance(entry["probs"], bool):
+        _fail(path, where, "probs", f"expected true or false, got {entry['probs']!r}")
+    pad = entry["pad"]
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0 or pad > MAX_PAD or (pad and pad & (pad - 1)):
+        _fail(path, where, "pad", f"expected 0 or a power of two <= {MAX_PAD}, got {pad!r}")
+    if pad == 1:
+        _fail(path, where, "pad", "pad = 1 pads nothing; write 0")
+    targets = entry["targets"]
+    if not isinstance(targets, list) or not targets:
+        _fail(path, where, "targets", f"expected a non-empty list drawn from {list(TARGETS)}, got {targets!r}")
+    for target in targets:
+        _check_choice(path, where, "targets", target, TARGETS)
+    if len(set(targets)) != len(targets):
+        _fail(path, where, "targets", f"lists a target twice: {targets!r}")
+    if entry["scale"] != "none" and entry["dtype"] not in FP8_DTYPES:
+        _fail(path, where, "scale", f"scale {entry['scale']!r} needs an fp8 dtype ({', '.join(FP8_DTYPES)}), got dtype {entry['dtype']!r}")
+    variant = Variant(
+        dtype=entry["dtype"],
+        routing=entry["routing"],
+        probs=entry["probs"],
+        scale=entry["scale"],
+        pad=pad,
+        targets=tuple(t for t in TARGETS if t in targets),
+    )
+    if "name" in entry:
+        given = entry["name"]
+        if not isinstance(given, str) or not _SAFE_NAME.match(given):
+            _fail(path, where, "name", f"not a safe identifier: {given!r}")
+        if given != variant.name:
+            _fail(path, where, "name", f"non-canonical name {given!r}; the axes give {variant.name!r} (or drop the key)")
+    if not _SAFE_NAME.match(variant.name):  # cannot happen with the checks above; kept as the last guard
+        _fail(path, where, None, f"derived name {variant.name!r} is not a safe identifier")
+    return variant
+
+
+def parse_spec(text: str, path: str | Path = "variants.toml") -> list[Variant]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{path}: not valid TOML: {err}") from None
+    for key in data:
+        if key not in ("defaults", "variant"):
+            _fail(path, "top level", key, "unknown table; expected [defaults] and [[variant]]")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        _fail(path, "top level", "defaults", "expected a [defaults] table")
+    for key in defaults:
+        if key not in AXES:
+            _fail(path, "[defaults]", key, f"unknown key; allowed keys are {', '.join(AXES)}")
+    entries = data.get("variant", [])
+    if not isinstance(entries, list) or not entries:
+        _fail(path, "top level", "variant", "expected at least one [[variant]] table")
+    variants: list[Variant] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        where = f"variant #{i + 1}"
+        if not isinstance(entry, dict):
+            _fail(path, where, None, "expected a table")
+        merged = {**BUILTIN_DEFAULTS, **defaults, **entry}
+        if "name" in entry:
+            where += f" ({entry['name']!r})"
+        variant = _validate_entry(path, where, merged)
+        if variant.name in seen:
+            _fail(path, f"variant #{i + 1} ({variant.name})", None, f"duplicates variant #{seen[variant.name] + 1}")
+        seen[variant.name] = i
+        variants.append(variant)
+    return variants
+
+
+def load_spec(path: str | Path) -> list[Variant]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read spec: {err.strerror}") from None
+    return parse_spec(text, path)

@@ -1,0 +1,132 @@
+"""The one plain-PyTorch reference for every op, shared by every target's tests.
+
+It is written for clarity, not speed: routes are enumerated explicitly and sorted into the
+contract's row order. Backward references come from autograd through these same functions.
+
+Contract (../DESIGN.md, "Runtime contract"):
+- a route is (token t, slot j, expert e). index routing: e = routing[t, j], and the route's
+  prob column is j; mask routing: one route per set routing[t, e], slot j = its rank among the
+  token's experts, prob column e. Expert ids outside [0, E) route nowhere.
+- rows are expert-major; within an expert, ascending (token, slot). Each expert's segment is
+  padded to a multiple of `pad` with zero rows.
+- with `num_out_tokens`, routes whose row would be >= num_out_tokens are dropped, and the output
+  has exactly num_out_tokens rows; rows past the last segment are zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Routes:
+    """Kept routes in row order: route i moves token[i] to row dst[i]; its prob is probs[token, col]."""
+
+    token: torch.Tensor  # int64 [R]
+    col: torch.Tensor  # int64 [R]
+    expert: torch.Tensor  # int64 [R]
+    dst: torch.Tensor  # int64 [R]
+    num_rows: int
+    tokens_per_expert: torch.Tensor  # int64 [E]: rows of each expert's segment present in the output
+    segment_start: torch.Tensor  # int64 [E]
+
+
+def enumerate_routes(routing: torch.Tensor, routing_kind: str, num_experts: int):
+    """All valid routes as (token, slot, expert, col) in token-major order."""
+    routing = routing.cpu()
+    if routing_kind == "index":
+        n, k = routing.shape
+        token = torch.arange(n).repeat_interleave(k)
+        slot = torch.arange(k).repeat(n)
+        expert = routing.reshape(-1).long()
+        valid = (expert >= 0) & (expert < num_experts)
+        token, slot, expert = token[valid], slot[valid], expert[valid]
+        return token, slot, expert, slot
+    if routing_kind == "mask":
+        token, expert = routing.bool().nonzero(as_tuple=True)  # row-major: token-major, ascending expert
+        starts = torch.zeros(routing.shape[0] + 1, dtype=torch.long)
+        starts[1:] = routing.bool().sum(1).cumsum(0)
+        slot = torch.arange(token.numel()) - starts[token]
+        return token, slot, expert, expert
+    raise ValueError(routing_kind)
+
+
+def plan_routes(routing, routing_kind: str, num_experts: int, pad: int = 0, num_out_tokens=None) -> Routes:
+    token, slot, expert, col = enumerate_routes(routing, routing_kind, num_experts)
+    num_tokens = routing.shape[0]
+    order = sorted(range(token.numel()), key=lambda i: (int(expert[i]), int(token[i]), int(slot[i])))
+    order = torch.tensor(order, dtype=torch.long)
+    token, slot, expert, col = token[order], slot[order], expert[order], col[order]
+    counts = torch.bincount(expert, minlength=num_experts)
+    padded = (counts + pad - 1) // pad * pad if pad else counts
+    start = torch.cumsum(padded, 0) - padded
+    rank = torch.arange(token.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    dst = start[expert] + rank
+    total = int(padded.sum())
+    num_rows = total if num_out_tokens is None else num_out_tokens
+    kept = dst < num_rows
+    tokens_per_expert = (torch.clamp(start + padded, max=num_rows) - start).clamp(min=0)
+    del num_tokens
+    return Routes(token[kept], col[kept], expert[kept], dst[kept], num_rows, tokens_per_expert, start)
+
+
+def permute_ref(tokens, routing, *, routing_kind, num_experts, probs=None, scale=None, pad=0, num_out_tokens=None):
+    """Returns (permuted tokens, permuted probs | None, permuted scale | None, tokens_per_expert, Routes)."""
+    r = plan_routes(routing, routing_kind, num_experts, pad, num_out_tokens)
+    dev = tokens.device
+    token, dst = r.token.to(dev), r.dst.to(dev)
+
+    def scatter_rows(src, fill_shape):
+        out = torch.zeros(fill_shape, dtype=src.dtype, device=dev)
+        if src.dtype.is_floating_point and src.dtype.itemsize == 1:  # fp8: move the bytes
+            return out.view(torch.uint8).index_put((dst,), src.view(torch.uint8)[token]).view(src.dtype)
+        return out.index_put((dst,), src[token])
+
+    out = scatter_rows(tokens, (r.num_rows, tokens.shape[1]))
+    out_probs = None
+    if probs is not None:
+        out_probs = torch.zeros(r.num_rows, dtype=probs.dtype, device=dev).index_put((dst,), probs[token, r.col.to(dev)])
+    out_scale = scatter_rows(scale, (r.num_rows, scale.shape[1])) if scale is not None else None
+    return out, out_probs, out_scale, r.tokens_per_expert.to(dev), r
+
+
+def unpermute_ref(permuted, routes: Routes, num_tokens: int, merging_probs=None):
+    """out[t] = sum over t's kept routes of p * permuted[dst], summed in fp32, cast to permuted's dtype."""
+    dev = permuted.device
+    token, dst = routes.token.to(dev), routes.dst.to(dev)
+    rows = permuted[dst].float()
+    if merging_probs is not None:
+        rows = rows * merging_probs[token, routes.col.to(dev)].float()[:, None]
+    out = torch.zeros(num_tokens, permuted.shape[1], dtype=torch.float32, device=dev).index_add(0, token, rows)
+    return out.to(permuted.dtype)
+
+
+def permute_grads_ref(grad_permuted, routes: Routes, num_tokens: int, probs_shape=None, grad_permuted_probs=None):
+    """Backward of permute: token grads gather-summed in fp32, prob grads routed back to (t, col)."""
+    dev = grad_permuted.device
+    token, dst = routes.token.to(dev), routes.dst.to(dev)
+    grad_tokens = torch.zeros(num_tokens, grad_permuted.shape[1], dtype=torch.float32, device=dev)
+    grad_tokens = grad_tokens.index_add(0, token, grad_permuted[dst].float()).to(grad_permuted.dtype)
+    grad_probs = None
+    if grad_permuted_probs is not None:
+        grad_probs = torch.zeros(probs_shape, dtype=grad_permuted_probs.dtype, device=dev)
+        grad_probs[token, routes.col.to(dev)] = grad_permuted_probs[dst]
+    return grad_tokens, grad_probs
+
+
+def unpermute_grads_ref(grad_out, permuted, routes: Routes, merging_probs=None):
+    """Backward of unpermute: rows get p * grad (zero where no route lands), probs get <row, grad> in fp32."""
+    dev = grad_out.device
+    token, dst, col = routes.token.to(dev), routes.dst.to(dev), routes.col.to(dev)
+    g = grad_out[token].float()
+    grad_rows = g if merging_probs is None else g * merging_probs[token, col].float()[:, None]
+    grad_permuted = torch.zeros(permuted.shape, dtype=grad_out.dtype, device=dev)
+    grad_permuted[dst] = grad_rows.to(grad_out.dtype)
+    grad_probs = None
+    if merging_probs is not None:
+        grad_probs = torch.zeros(merging_probs.shape, dtype=torch.float32, device=dev)
+        grad_probs[token, col] = (permuted[dst].float() * g).sum(1)
+        grad_probs = grad_probs.to(merging_probs.dtype)
+    return grad_permuted, grad_probs
