@@ -36,8 +36,6 @@ SCALES = {  # scale kind -> (columns per scale, torch dtype, word dtype for bitw
     "block128": (128, "torch.float32", "torch.int32"),
     "mx32": (32, "torch.uint8", "torch.uint8"),
 }
-NKI_DTYPES = {"bf16": "nl.bfloat16", "fp16": "nl.float16", "fp32": "nl.float32",
-              "fp8_e4m3": "nl.float8_e4m3", "fp8_e5m2": "nl.float8_e5m2"}
 
 MODULE_TEMPLATES = {"triton": "triton/module.py.jinja", "nki": "nki/module.py.jinja"}
 REGISTRY_TEMPLATE = "registry.py.jinja"
@@ -64,7 +62,6 @@ def template_context(variant: Variant) -> dict:
     ctx = dict(variant.axes())
     ctx.update(
         variant_literal=repr(variant.axes()),  # a Python dict literal, in axis order
-        variant_json=json.dumps(variant.axes(), sort_keys=True),
         is_fp8=is_fp8,
         has_scale=variant.scale != "none",
         torch_dtype=TORCH_DTYPES[variant.dtype],
@@ -72,8 +69,6 @@ def template_context(variant: Variant) -> dict:
         item_bytes=ITEM_BYTES[variant.dtype],
         # fp8 variants combine the experts' bf16 outputs; the others combine in the token dtype.
         combine_torch_dtype="torch.bfloat16" if is_fp8 else TORCH_DTYPES[variant.dtype],
-        nki_dtype=NKI_DTYPES[variant.dtype],
-        nki_combine_dtype="nl.bfloat16" if is_fp8 else NKI_DTYPES[variant.dtype],
     )
     if variant.scale != "none":
         cols, dtype, word = SCALES[variant.scale]

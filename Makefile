@@ -1,0 +1,44 @@
+# permgen: `make generate` regenerates generated/ from variants.toml; `make test` runs the CPU suite.
+# Both create .venv on first use. On a GPU machine with torch + triton installed, run
+# `make test-gpu` / `make bench` with the system python instead.
+
+PYTHON_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned to the CPU build this project is tested with; the suite needs no GPU.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: generate check list test test-gpu bench clean
+
+$(VENV)/.generator-deps:
+	$(PYTHON_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q "jinja2>=3.1"
+	touch $@
+
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.generator-deps
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+generate: $(VENV)/.generator-deps
+	$(PY) -m generator generate
+
+check: $(VENV)/.generator-deps
+	$(PY) -m generator check
+
+list: $(VENV)/.generator-deps
+	$(PY) -m generator list
+
+test: $(VENV)/.test-deps
+	$(PY) -m generator check
+	$(PY) -m pytest -q -n 2 tests
+
+# On the GPU machine: the same suite, kernels running natively on the GPU.
+test-gpu:
+	$(PYTHON_SYS) -m pytest -q -x -p no:cacheprovider tests
+
+bench:
+	$(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
+
+clean:
+	rm -rf $(VENV) .pytest_cache
