@@ -56,8 +56,9 @@ def enumerate_routes(routing: torch.Tensor, routing_kind: str, num_experts: int)
 def plan_routes(routing, routing_kind: str, num_experts: int, pad: int = 0, num_out_tokens=None) -> Routes:
     token, slot, expert, col = enumerate_routes(routing, routing_kind, num_experts)
     num_tokens = routing.shape[0]
-    order = sorted(range(token.numel()), key=lambda i: (int(expert[i]), int(token[i]), int(slot[i])))
-    order = torch.tensor(order, dtype=torch.long)
+    # Row order: by expert, then token, then slot (a stable sort on one combined key).
+    slots = int(slot.max()) + 1 if slot.numel() else 1
+    order = torch.argsort((expert * (num_tokens + 1) + token) * slots + slot, stable=True)
     token, slot, expert, col = token[order], slot[order], expert[order], col[order]
     counts = torch.bincount(expert, minlength=num_experts)
     padded = (counts + pad - 1) // pad * pad if pad else counts
@@ -68,7 +69,6 @@ def plan_routes(routing, routing_kind: str, num_experts: int, pad: int = 0, num_
     num_rows = total if num_out_tokens is None else num_out_tokens
     kept = dst < num_rows
     tokens_per_expert = (torch.clamp(start + padded, max=num_rows) - start).clamp(min=0)
-    del num_tokens
     return Routes(token[kept], col[kept], expert[kept], dst[kept], num_rows, tokens_per_expert, start)
 
 

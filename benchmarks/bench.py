@@ -1,0 +1,264 @@
+"""GPU benchmark of the generated Triton kernels against the copy floor and a PyTorch-native path.
+
+    python3 benchmarks/bench.py --out benchmarks/results        (make bench; needs a CUDA GPU)
+
+For every op and shape it reports the median time (triton.testing.do_bench), the bytes the op
+must move, effective GB/s, the ratio to the floor (those bytes at the device-to-device copy
+bandwidth measured in the same run) and the PyTorch-native path's time. permute's time includes
+all routing-map processing. Writes bench.json and bench.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import generated  # noqa: E402
+
+SHAPES = [  # name, N, H, E, k
+    ("deepseek_v3", 16384, 7168, 256, 8),
+    ("qwen3_moe", 16384, 2048, 128, 8),
+    ("mixtral", 16384, 4096, 8, 2),
+    ("deepseek_v3_4k", 4096, 7168, 256, 8),
+    ("small", 1024, 1024, 16, 2),
+]
+LARGE = {"deepseek_v3", "qwen3_moe", "mixtral"}
+VARIANTS = ["probs_bf16_mask", "probs_bf16_index", "probs_pad128_bf16_mask", "probs_pad128_fp8e4m3_block128_mask"]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+
+
+def copy_bandwidth():
+    """Bytes read + written per second by a device-to-device copy of 2 GiB."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src)) * 1e-6
+    return 2 * src.numel() * src.element_size() / t
+
+
+def make_inputs(mod, N, H, E, k, seed=0):
+    v = mod.VARIANT
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = torch.randn(N, H, device="cuda", generator=g).to(mod.TOKEN_DTYPE)
+    logits = torch.randn(N, E, device="cuda", generator=g)
+    top_probs, ids = logits.softmax(-1).topk(k, dim=-1)
+    if v["routing"] == "mask":
+        routing = torch.zeros(N, E, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+        probs = torch.zeros(N, E, device="cuda").scatter_(1, ids, top_probs)
+    else:
+        routing, probs = ids.to(torch.int32), top_probs.contiguous()
+    scale = None
+    if v["scale"] == "block128":
+        scale = torch.rand(N, triton.cdiv(H, 128), device="cuda", generator=g)
+    return tokens, routing, probs, scale, ids
+
+
+# ---- the PyTorch-native path (as a non-fused Megatron dispatcher does it) ----------------------
+
+def torch_permute(tokens, ids, probs_topk, num_experts, pad):
+    """Sort routes by expert (stable), gather rows; pad segments by index arithmetic."""
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    src_token = order // k
+    permuted = tokens.index_select(0, src_token)
+    permuted_probs = probs_topk.reshape(-1).index_select(0, order)
+    if pad:
+        counts = torch.bincount(flat, minlength=num_experts)
+        padded = (counts + pad - 1) // pad * pad
+        dst = torch.repeat_interleave(torch.cumsum(padded, 0) - padded - (torch.cumsum(counts, 0) - counts), counts)
+        dst = dst + torch.arange(flat.numel(), device=flat.device)
+        out = torch.zeros(int(padded.sum()), tokens.shape[1], dtype=tokens.dtype, device=tokens.device)
+        out[dst] = permuted
+        return out, permuted_probs, src_token, dst
+    return permuted, permuted_probs, src_token, None
+
+
+def torch_unpermute(permuted, probs, src_token, N, dst=None):
+    rows = permuted if dst is None else permuted[dst]
+    weighted = rows * probs[:, None].to(rows.dtype)
+    out = torch.zeros(N, permuted.shape[1], dtype=permuted.dtype, device=permuted.device)
+    return out.index_add_(0, src_token, weighted)
+
+
+# ---- bytes each op must move ------------------------------------------------------------------
+
+def op_bytes(op, mod, N, H, E, k, M, routing, probs):
+    tb = torch.empty((), dtype=mod.TOKEN_DTYPE).element_size()
+    cb = torch.empty((), dtype=mod.COMBINE_DTYPE).element_size()
+    routes = N * k
+    row_map = routes * 4
+    prob_bytes = routes * 4 if probs is not None else 0
+    scale_row = triton.cdiv(H, 128) * 4 if mod.VARIANT["scale"] == "block128" else 0
+    if op == "permute":  # read tokens + routing, write rows (+ probs, scales) and the row map
+        return (N * H * tb + routing.numel() * routing.element_size() + M * H * tb
+                + prob_bytes + M * 4 * (probs is not None) + (N + M) * scale_row + row_map)
+    if op == "unpermute":  # read rows, probs and map, write tokens
+        return M * H * cb + N * H * cb + prob_bytes + row_map
+    if op == "permute_bwd":  # read row grads, write token grads (+ prob grads)
+        return M * H * cb + N * H * cb + row_map + 2 * prob_bytes
+    if op == "unpermute_bwd":  # read token grads and rows, write row grads and prob grads
+        return N * H * cb + 2 * M * H * cb + row_map + 2 * prob_bytes
+    raise ValueError(op)
+
+
+def run_shape(name, N, H, E, k, variants, copy_bw, results):
+    for vname in variants:
+        mod = __import__(f"generated.triton.{vname}", fromlist=["VARIANT"])
+        v = mod.VARIANT
+        tokens, routing, probs, scale, ids = make_inputs(mod, N, H, E, k)
+        pad = v["pad"]
+        M = N * k + (E * (pad - 1) if pad else 0)  # a static row cap that fits every padded layout
+        kw = dict(num_experts=E, num_out_tokens=M)
+        if v["routing"] == "mask":
+            kw["topk"] = k
+        fwd = lambda: mod.permute(tokens, routing, probs, scale, **kw)  # noqa: E731
+        res = fwd()
+        permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
+        unp = lambda: mod.unpermute(permuted, res.row_id_map, probs)  # noqa: E731
+
+        # backward passes, through autograd as a training step runs them
+        grad_ok = not v["dtype"].startswith("fp8")
+        t_in = tokens.detach().clone().requires_grad_(grad_ok)
+        p_in = probs.detach().clone().requires_grad_()
+        r2 = mod.permute(t_in, routing, p_in, scale, **kw)
+        g_rows = torch.randn(M, H, device="cuda").to(tokens.dtype) if grad_ok else None
+        g_probs = torch.randn(M, device="cuda")
+        outs, ins, gs = ([r2.tokens] if grad_ok else []) + [r2.probs], ([t_in] if grad_ok else []) + [p_in], \
+            ([g_rows] if grad_ok else []) + [g_probs]
+        pbwd = lambda: torch.autograd.grad(outs, ins, gs, retain_graph=True)  # noqa: E731
+        u_in = permuted.detach().clone().requires_grad_()
+        m_in = probs.detach().clone().requires_grad_()
+        u_out = mod.unpermute(u_in, r2.row_id_map, m_in)
+        g_out = torch.randn(N, H, device="cuda").to(mod.COMBINE_DTYPE)
+        ubwd = lambda: torch.autograd.grad(u_out, [u_in, m_in], g_out, retain_graph=True)  # noqa: E731
+
+        # the PyTorch-native path on the same data
+        probs_topk = probs.gather(1, ids) if v["routing"] == "mask" else probs
+        tok_native = tokens if grad_ok else tokens.to(torch.bfloat16)
+        nat = torch_permute(tok_native, ids, probs_topk, E, pad)
+        nat_fwd = lambda: torch_permute(tok_native, ids, probs_topk, E, pad)  # noqa: E731
+        nat_perm = torch.randn(nat[0].shape, device="cuda").to(mod.COMBINE_DTYPE)
+        nat_unp = lambda: torch_unpermute(nat_perm, nat[1], nat[2], N, nat[3])  # noqa: E731
+        tn = tok_native.detach().clone().requires_grad_()
+        pn = probs_topk.detach().clone().requires_grad_()
+        nat2 = torch_permute(tn, ids, pn, E, pad)
+        nat_pbwd = lambda: torch.autograd.grad([nat2[0], nat2[1]], [tn, pn], [torch.ones_like(nat2[0]), torch.ones_like(nat2[1])], retain_graph=True)  # noqa: E731
+        un = nat_perm.detach().clone().requires_grad_()
+        pn2 = nat[1].detach().clone().requires_grad_()
+        nat_u = torch_unpermute(un, pn2, nat[2], N, nat[3])
+        nat_ubwd = lambda: torch.autograd.grad(nat_u, [un, pn2], g_out, retain_graph=True)  # noqa: E731
+
+        for op, fn, native in (("permute", fwd, nat_fwd), ("unpermute", unp, nat_unp),
+                               ("permute_bwd", pbwd, nat_pbwd), ("unpermute_bwd", ubwd, nat_ubwd)):
+            t = bench(fn)
+            tn_us = bench(native)
+            nbytes = op_bytes(op, mod, N, H, E, k, M, routing, probs)
+            floor_us = nbytes / copy_bw * 1e6
+            row = dict(shape=name, N=N, H=H, E=E, k=k, variant=vname, op=op, time_us=round(t, 2),
+                       bytes=nbytes, gbps=round(nbytes / t / 1e3, 1), floor_us=round(floor_us, 2),
+                       ratio_to_floor=round(t / floor_us, 3), torch_us=round(tn_us, 2),
+                       speedup_vs_torch=round(tn_us / t, 2))
+            results.append(row)
+            print(f"{name:15s} {vname:36s} {op:14s} {t:9.1f} us  {row['gbps']:7.0f} GB/s  "
+                  f"x{row['ratio_to_floor']:.3f} floor  torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)", flush=True)
+        del res, r2, u_out, nat, nat2, nat_u
+        torch.cuda.empty_cache()
+
+
+def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500):
+    """Host-measured permute + unpermute per call, launch and Python overhead included."""
+    tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
+    kw = dict(num_experts=E, num_out_tokens=N * k)
+    if mod.VARIANT["routing"] == "mask":
+        kw["topk"] = k
+    permuted = torch.randn(N * k, H, device="cuda").to(mod.COMBINE_DTYPE)
+    for _ in range(20):
+        mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def bookkeeping(mod, N, H, E, k):
+    """Bytes permute keeps for unpermute / backward beyond its outputs, vs a dense [N, 2E+1] map."""
+    tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
+    kw = dict(num_experts=E, num_out_tokens=N * k + (E * (mod.VARIANT["pad"] - 1) if mod.VARIANT["pad"] else 0))
+    if mod.VARIANT["routing"] == "mask":
+        kw["topk"] = k
+    rm = mod.permute(tokens, routing, probs, scale, **kw).row_id_map
+    ours = sum(t.numel() * t.element_size() for t in (rm.dst_rows, rm.segment_offsets, rm.segment_counts))
+    if mod.VARIANT["routing"] == "mask":
+        ours += rm.experts.numel() * rm.experts.element_size()  # the index routing's ids are the user's input
+    return ours, N * (2 * E + 1) * 4
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = ["permute", "unpermute", "permute_bwd", "unpermute_bwd"]
+    shapes = [s[0] for s in SHAPES]
+    variants = sorted({r["variant"] for r in results}, key=VARIANTS.index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.5), sharey=True)
+    width = 0.8 / len(variants)
+    for ax, op in zip(axes, ops):
+        for i, vname in enumerate(variants):
+            ys = [next((r["ratio_to_floor"] for r in results if r["op"] == op and r["shape"] == s and r["variant"] == vname), 0)
+                  for s in shapes]
+            ax.bar([x + i * width for x in range(len(shapes))], ys, width, label=vname)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(op)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=30, ha="right", fontsize=8)
+    axes[0].set_ylabel("time / copy floor (lower is better, 1 = floor)")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"permgen Triton kernels on {torch.cuda.get_device_name()}: median time over the copy floor")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
+    parser.add_argument("--variants", nargs="*", default=VARIANTS)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    args.out.mkdir(parents=True, exist_ok=True)
+    copy_bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    results = []
+    for name, N, H, E, k in SHAPES:
+        if name in args.shapes:
+            run_shape(name, N, H, E, k, args.variants, copy_bw, results)
+    small = {v: round(round_trip_us(__import__(f"generated.triton.{v}", fromlist=["VARIANT"])), 1) for v in args.variants}
+    print("small-shape permute + unpermute round trip, host-measured us/call:", small)
+    memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(__import__(f"generated.triton.{v}", fromlist=["VARIANT"]), 16384, 7168, 256, 8)))
+              for v in args.variants}
+    print("bookkeeping kept by permute at N=16384, E=256, k=8:", memory)
+    summary = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        python=platform.python_version(), command="python3 benchmarks/bench.py --out benchmarks/results",
+        copy_gbps=round(copy_bw / 1e9, 1), results=results, small_round_trip_us=small, bookkeeping=memory)
+    (args.out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(results, args.out / "bench.png")
+
+
+if __name__ == "__main__":
+    main()
