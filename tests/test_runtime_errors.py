@@ -531,6 +531,16 @@ def test_unpermute_bad_restore_shape(restore_shape, permuted, monkeypatch):
         mod.unpermute(combine, res.row_id_map, probs, restore_shape=restore_shape)
 
 
+@pytest.mark.xfail(strict=True, reason="tuple(restore_shape) on a non-sequence raises \"'int' object is not "
+                                       "iterable\", which does not say what restore_shape should be")
+@pytest.mark.parametrize("restore_shape", [N * H, 1.5])
+def test_unpermute_restore_shape_not_a_sequence(restore_shape, permuted, monkeypatch):
+    mod, res, combine, probs = permuted(MASK)
+    assert_no_kernel(monkeypatch, mod)
+    with raises((TypeError, ValueError), "restore_shape", "(N, H)"):
+        mod.unpermute(combine, res.row_id_map, probs, restore_shape=restore_shape)
+
+
 def test_unpermute_good_restore_shape(permuted):
     mod, res, combine, probs = permuted(MASK)
     out = mod.unpermute(combine, res.row_id_map, probs, restore_shape=torch.Size([N, H]))
@@ -605,3 +615,17 @@ def test_get_kernel_bad_axis_names(axes, words):
 def test_get_kernel_bad_target(target):
     with raises(ValueError, "target must be 'triton' or 'nki'", repr(target)):
         generated.get_kernel(target, dtype="bf16", routing="mask")
+
+
+@pytest.mark.xfail(strict=True, reason="get_kernel does not check axis values: an impossible variant gets a "
+                                       "LookupError whose suggested [[variant]] the spec itself rejects")
+@pytest.mark.parametrize("axes, key", [
+    (dict(dtype="int8", routing="mask"), "dtype"),
+    (dict(dtype="bf16", routing="topk"), "routing"),
+    (dict(dtype="bf16", routing="mask", scale="mx32"), "scale"),
+    (dict(dtype="bf16", routing="mask", pad=3), "pad"),
+    (dict(dtype="bf16", routing="mask", probs="yes"), "probs"),
+])
+def test_get_kernel_impossible_axes_say_which_value_is_wrong(axes, key):
+    with raises(ValueError, key, repr(axes[key])):
+        generated.get_kernel("triton", **axes)
