@@ -180,6 +180,52 @@ def test_backward(name, case, backend):
     assert torch.equal(bits(to_torch(got_rows)), bits(want_rows))
 
 
+PROBS_VARIANTS = [n for n in NKI_VARIANTS if generated.VARIANTS[n]["probs"]]
+
+
+@parametrize_backend
+@pytest.mark.parametrize("name", PROBS_VARIANTS)
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=str)
+def test_unpermute_without_merging_probs(name, case, backend):
+    """Probs variants also unpermute with merging_probs=None: a plain fp32 sum of the routes' rows, whose
+    backward scatters grad_out to the rows unweighted and has no prob gradient."""
+    module = load_variant(name, backend)
+    spec = module.VARIANT
+    inp = make_inputs(spec, case, seed=zlib.crc32(f"{name}/{case}/nomerge".encode()))
+    res = run_permute(module, inp, case)
+    routes = plan_routes(inp.routing, spec["routing"], case.num_experts, spec["pad"], inp.num_out_tokens)
+    gen = torch.Generator().manual_seed(3)
+    n, m, h = case.num_tokens, routes.num_rows, case.hidden
+    cdt = combine_dtype(spec)
+
+    expert_out = torch.randn(m, h, generator=gen).to(cdt)
+    got = module.unpermute(to_numpy(expert_out), res.row_id_map, None)
+    assert_sum_close(to_torch(got), unpermute_ref(expert_out, routes, n))
+    got_default = module.unpermute(to_numpy(expert_out), res.row_id_map, restore_shape=(n, h))
+    assert np.array_equal(got_default.view(np.uint8), got.view(np.uint8))
+
+    grad_out = torch.randn(n, h, generator=gen).to(cdt)
+    got_rows, got_probs = module.unpermute_backward(to_numpy(grad_out), to_numpy(expert_out), res.row_id_map, None)
+    assert got_probs is None
+    want_rows, _ = unpermute_grads_ref(grad_out, expert_out, routes)
+    assert torch.equal(bits(to_torch(got_rows)), bits(want_rows))
+    # Every row no route lands on (pad rows, dropped capacity) is an exact zero.
+    landed = torch.zeros(m, dtype=torch.bool)
+    landed[routes.dst] = True
+    assert torch.equal(bits(to_torch(got_rows))[~landed], torch.zeros_like(bits(want_rows)[~landed]))
+
+
+def test_unpermute_without_merging_probs_empty():
+    module = load_variant(PROBS_VARIANTS[0], "emulator")
+    row_id_map = np.full((3, module.VARIANT["routing"] == "mask" and 4 or 2), -1, dtype=np.int32)
+    permuted = np.zeros((0, 8), dtype=np.dtype(module.COMBINE_DTYPE) if module.COMBINE_DTYPE != "bfloat16" else to_numpy(torch.zeros(0, 8, dtype=torch.bfloat16)).dtype)
+    grad_out = to_numpy(torch.ones(3, 8, dtype=torch.bfloat16)) if module.COMBINE_DTYPE == "bfloat16" else np.ones((3, 8), dtype=module.COMBINE_DTYPE)
+    out = module.unpermute(permuted, row_id_map)
+    assert out.shape == (3, 8) and not out.astype(np.float32).any()
+    rows, probs = module.unpermute_backward(grad_out, permuted, row_id_map)
+    assert rows.shape == (0, 8) and probs is None
+
+
 @pytest.mark.parametrize("name", [NKI_VARIANTS[0], "probs_pad32_fp8e4m3_mx32_index"])
 def test_hidden_split_across_tiles(name, monkeypatch):
     """H wider than one SBUF tile: the column loop and its partial last block."""

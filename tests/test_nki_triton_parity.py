@@ -73,3 +73,16 @@ def test_triton_and_nki_agree(name, num_tokens, hidden, drop):
     got_n = to_torch(nki_mod.unpermute(to_numpy(expert_out), n.row_id_map, None if merging is None else to_numpy(merging)))
     tol = SUM_TOLERANCE[combine]
     torch.testing.assert_close(got_t.float(), got_n.float(), rtol=tol, atol=tol)
+
+    if spec["probs"] and drop:
+        # merging_probs=None: both targets sum the routes' rows unweighted, and scatter the gradient unweighted.
+        plain_t = triton_mod.unpermute(expert_out, t.row_id_map, None)
+        plain_n = to_torch(nki_mod.unpermute(to_numpy(expert_out), n.row_id_map, None))
+        torch.testing.assert_close(plain_t.float(), plain_n.float(), rtol=tol, atol=tol)
+
+        grad_out = torch.randn(num_tokens, hidden, generator=gen).to(combine)
+        leaf = expert_out.clone().requires_grad_(True)
+        triton_mod.unpermute(leaf, t.row_id_map, None).backward(grad_out)
+        rows_n, probs_n = nki_mod.unpermute_backward(to_numpy(grad_out), to_numpy(expert_out), n.row_id_map, None)
+        assert probs_n is None
+        assert torch.equal(bits(leaf.grad), bits(to_torch(rows_n)))
