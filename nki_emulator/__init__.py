@@ -11,7 +11,8 @@ that fall out of bounds are an error unless the copy asks for `oob_mode.skip`.
     import nki                  # ...only when the real package is not importable
 
 Kernels run when called with NumPy arrays (like `nki.simulate(kernel)(*arrays)`), returning NumPy
-arrays; `simulate` mirrors the real entry point's signature.
+arrays; `simulate` mirrors the real entry point's signature. Kernels that call collectives run on
+several ranks at once through `run_ranks(fn, rank_args)` (see `collectives`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import numpy as np
 
 from . import _core, collectives, isa, language
 from ._core import EmulatorError, Tensor
+from .collectives import run_ranks
 
-__all__ = ["EmulatorError", "jit", "simulate", "install", "real_nki_available", "language", "isa", "collectives"]
+__all__ = ["EmulatorError", "jit", "simulate", "install", "real_nki_available", "run_ranks", "language", "isa",
+           "collectives"]
 
 
 class Kernel:

@@ -9,6 +9,7 @@ in the results instead of passing silently as zero.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -113,12 +114,17 @@ class _Ledger:
         self.live[buffer] -= per_partition
 
 
-LEDGER = _Ledger()
+_local = threading.local()  # one ledger per thread: ranks of a multi-rank run are threads
+
+
+def ledger() -> _Ledger:
+    if not hasattr(_local, "ledger"):
+        _local.ledger = _Ledger()
+    return _local.ledger
 
 
 def reset_ledger() -> None:
-    global LEDGER
-    LEDGER = _Ledger()
+    _local.ledger = _Ledger()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +263,7 @@ def new_tensor(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
         if buffer is PSUM and per_partition > PSUM_BANK_BYTES:
             raise EmulatorError(f"PSUM tile of {per_partition} bytes per partition exceeds one {PSUM_BANK_BYTES}-byte bank")
         array = poison(shape, dtype)
-        LEDGER.allocate(array, buffer, per_partition)
+        ledger().allocate(array, buffer, per_partition)
     else:
         array = poison(shape, dtype)
     return Tensor(array, buffer, name)

@@ -1,10 +1,242 @@
-"""The `nki.collectives` names the emulator knows. Collective kernels are not emulated yet."""
+"""The `nki.collectives` subset the generated kernels use, and the multi-rank driver that runs them.
+
+A collective needs every rank of its rank-list to take part, so kernels that call one run under
+`run_ranks`: it runs the same program once per rank, each rank in its own thread with its own
+inputs, and the collectives meet at a barrier, exchange HBM buffers and check what the runtime
+checks. Strict by design: a rank that sends past its source buffer, a receive that does not fit
+its destination, overlapping receive intervals, receive counts that disagree with what the peers
+send, or ranks calling different collectives are errors, and an error on one rank fails them all.
+
+    results = run_ranks(fn, [args_rank0, args_rank1, ...])   # fn(*args) on every rank
+
+`fn` is any Python callable: a kernel, or host code that launches kernels through nki.simulate.
+"""
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import _core
+from ._core import EmulatorError, Tensor
+
+__all__ = ["ReplicaGroup", "all_to_all", "all_to_all_v", "rank_id", "run_ranks"]
+
+BARRIER_TIMEOUT_S = 120.0
+
 
 class ReplicaGroup:
-    """The ranks taking part in a collective, as lists of rank ids."""
+    """The ranks taking part in a collective, as a list of disjoint rank-lists; a collective runs
+    independently within each rank-list."""
 
     def __init__(self, groups):
-        self.groups = [list(g) for g in groups]
+        self.groups = [[int(r) for r in g] for g in groups]
+        seen = [r for g in self.groups for r in g]
+        if not self.groups or any(not g for g in self.groups):
+            raise EmulatorError(f"ReplicaGroup needs non-empty rank-lists, got {groups}")
+        if len(seen) != len(set(seen)):
+            raise EmulatorError(f"ReplicaGroup rank-lists overlap: {groups}")
+
+    def __repr__(self) -> str:
+        return f"ReplicaGroup({self.groups})"
+
+    def rank_list(self, rank: int) -> list[int]:
+        for g in self.groups:
+            if rank in g:
+                return g
+        raise EmulatorError(f"rank {rank} is in no rank-list of {self!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The world of one run_ranks call, and each rank thread's view of it.
+@dataclass
+class _World:
+    size: int
+    barrier: threading.Barrier
+    mailbox: dict = field(default_factory=dict)  # rank -> what it published for the current collective
+
+
+_local = threading.local()
+
+
+def _context() -> tuple[_World, int]:
+    world = getattr(_local, "world", None)
+    if world is None:
+        raise EmulatorError("collectives run only under the multi-rank driver: nki_emulator.run_ranks(fn, rank_args)")
+    return world, _local.rank
+
+
+def rank_id() -> int:
+    """The calling rank's id in the run_ranks world."""
+    return _context()[1]
+
+
+def _wait(world: _World) -> None:
+    try:
+        world.barrier.wait(timeout=BARRIER_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        raise _PeerFailed("another rank failed or never reached this collective") from None
+
+
+class _PeerFailed(EmulatorError):
+    pass
+
+
+def _exchange(kind: str, replica_group, payload) -> tuple[list[int], int, dict]:
+    """Publish this rank's payload, wait for every rank, return (rank-list, my position, payloads by rank)."""
+    world, rank = _context()
+    if not isinstance(replica_group, ReplicaGroup):
+        raise EmulatorError(f"{kind}: replica_group must be an ncc.ReplicaGroup, got {type(replica_group).__name__}")
+    ranks = replica_group.rank_list(rank)
+    if any(not 0 <= r < world.size for r in ranks):
+        raise EmulatorError(f"{kind}: {replica_group!r} names ranks outside the {world.size}-rank world")
+    world.mailbox[rank] = (kind, replica_group.groups, payload)
+    _wait(world)
+    posts = {r: world.mailbox[r] for r in ranks}
+    _wait(world)  # every rank has read the mailbox: it may be reused by the next collective
+    for r, (other_kind, groups, _) in posts.items():
+        if other_kind != kind or groups != replica_group.groups:
+            raise EmulatorError(f"rank {rank} called {kind} on {replica_group.groups} while rank {r} called "
+                                f"{other_kind} on {groups}: every rank must issue the same collectives in the same order")
+    return ranks, ranks.index(rank), {r: p for r, (_, _, p) in posts.items()}
+
+
+def _hbm_list(tensors, what: str, kind: str) -> Tensor:
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        raise EmulatorError(f"{kind}: {what} must be a list of exactly one tensor")
+    t = tensors[0]
+    if not isinstance(t, Tensor) or t.buffer not in _core.HBM_BUFFERS:
+        raise EmulatorError(f"{kind}: {what} must be HBM tensors, got {t!r}")
+    if not t.whole:
+        raise EmulatorError(f"{kind}: {what} must be whole tensors, not slices")
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=None):
+    """Split src along dim 0 into one chunk per rank of the rank-list; chunk j goes to rank j, and
+    the chunk from rank i lands as chunk i of dst. HBM only; collective_dim 0 only."""
+    kind = "all_to_all"
+    src, dst = _hbm_list(srcs, "srcs", kind), _hbm_list(dsts, "dsts", kind)
+    if collective_dim != 0:
+        raise EmulatorError(f"{kind}: only collective_dim=0 is supported")
+    if src.dtype != dst.dtype or src.shape != dst.shape:
+        raise EmulatorError(f"{kind}: src {src.shape} {src.dtype} and dst {dst.shape} {dst.dtype} must match")
+    ranks, me, posts = _exchange(kind, replica_group, src.array.copy())
+    size = len(ranks)
+    if src.shape[0] % size:
+        raise EmulatorError(f"{kind}: dim 0 of {src.shape} does not split into {size} equal chunks")
+    chunk = src.shape[0] // size
+    for i, r in enumerate(ranks):
+        dst.array[i * chunk:(i + 1) * chunk] = posts[r][me * chunk:(me + 1) * chunk]
+
+
+def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=False, has_rdispls=False,
+                 priority=None, name=None):
+    """Variable all-to-all over flat element buffers.
+
+    metadata_tensor: uint32 HBM [rows, group size]; row 0 send counts, row 1 send displacements,
+    row 2 receive counts (read when recv_counts_known, else written with what arrived), row 3
+    receive displacements (read when has_rdispls, else receive slot j starts at j * dst.size / group
+    size), all in elements. Sender j's elements src_j[sdispl_j[me] : + scount_j[me]] land at
+    dst[rdispl[j] : + count].
+    """
+    kind = "all_to_all_v"
+    src, dst = _hbm_list(srcs, "srcs", kind), _hbm_list(dsts, "dsts", kind)
+    meta = metadata_tensor
+    if not isinstance(meta, Tensor) or meta.buffer not in _core.HBM_BUFFERS or not meta.whole:
+        raise EmulatorError(f"{kind}: metadata_tensor must be a whole HBM tensor, got {meta!r}")
+    if meta.dtype != np.dtype(np.uint32) or meta.ndim != 2:
+        raise EmulatorError(f"{kind}: metadata_tensor must be 2-d uint32, got {meta.shape} {meta.dtype}")
+    if src.dtype != dst.dtype:
+        raise EmulatorError(f"{kind}: src is {src.dtype} but dst is {dst.dtype}")
+    need_rows = 4 if has_rdispls else 3
+    if meta.shape[0] < need_rows:
+        raise EmulatorError(f"{kind}: metadata_tensor needs {need_rows} rows (has_rdispls={has_rdispls}), got {meta.shape}")
+    values = meta.array.astype(np.int64)
+    read_rows = [0, 1] + ([2] if recv_counts_known else []) + ([3] if has_rdispls else [])
+    if (values[read_rows] == _core.INT_POISON[4]).any():
+        raise EmulatorError(f"{kind}: metadata_tensor holds never-written entries")
+    ranks, me, posts = _exchange(kind, replica_group, (src.array.reshape(-1).copy(), values[0].copy(), values[1].copy()))
+    size = len(ranks)
+    if meta.shape[1] != size:
+        raise EmulatorError(f"{kind}: metadata_tensor has {meta.shape[1]} columns for a rank-list of {size} ranks")
+
+    # What each peer sends this rank, checked against the peer's source buffer.
+    arriving = []
+    for j, r in enumerate(ranks):
+        flat, counts, displs = posts[r]
+        count, displ = int(counts[me]), int(displs[me])
+        if displ + count > flat.size:
+            raise EmulatorError(f"{kind}: rank {r} sends elements [{displ}, {displ + count}) to rank {ranks[me]}, "
+                                f"past the end of its {flat.size}-element source")
+        arriving.append(flat[displ:displ + count])
+    counts = np.array([a.size for a in arriving], dtype=np.int64)
+    if recv_counts_known:
+        expected = values[2]
+        if not np.array_equal(expected, counts):
+            raise EmulatorError(f"{kind}: receive counts {expected.tolist()} on rank {ranks[me]} disagree with what "
+                                f"the peers send, {counts.tolist()}")
+    if has_rdispls:
+        starts = values[3]
+        limits = np.full(size, dst.array.size, dtype=np.int64)
+    else:
+        slot = dst.array.size // size
+        starts = np.arange(size, dtype=np.int64) * slot
+        limits = starts + slot
+    out = dst.array.reshape(-1)
+    for j in range(size):
+        start, end = int(starts[j]), int(starts[j]) + int(counts[j])
+        if end > limits[j]:
+            raise EmulatorError(f"{kind}: receive capacity exceeded on rank {ranks[me]}: {counts[j]} elements from rank "
+                                f"{ranks[j]} at {start} overflow the {dst.array.size}-element destination"
+                                f"{'' if has_rdispls else f' slot [{start}, {int(limits[j])})'}")
+    order = np.argsort(starts, kind="stable")
+    for a, b in zip(order[:-1], order[1:]):
+        if counts[a] and counts[b] and starts[a] + counts[a] > starts[b]:
+            raise EmulatorError(f"{kind}: receive intervals from ranks {ranks[a]} and {ranks[b]} overlap on rank {ranks[me]}")
+    for j in range(size):
+        out[int(starts[j]):int(starts[j]) + int(counts[j])] = arriving[j]
+    if not recv_counts_known:
+        meta.array[2] = counts.astype(np.uint32)
+
+
+# ---------------------------------------------------------------------------------------------
+def run_ranks(fn: Callable, rank_args: Sequence[Sequence[Any]], rank_kwargs: Sequence[dict] | None = None) -> list:
+    """Run fn(*rank_args[r], **rank_kwargs[r]) on ranks 0 .. len(rank_args)-1, one thread per rank,
+    and return their results in rank order. If any rank raises, the others are released from their
+    barriers and the first rank's own error is raised (with a note naming the rank)."""
+    size = len(rank_args)
+    if size < 1:
+        raise EmulatorError("run_ranks needs at least one rank")
+    rank_kwargs = list(rank_kwargs) if rank_kwargs is not None else [{} for _ in range(size)]
+    if len(rank_kwargs) != size:
+        raise EmulatorError("rank_args and rank_kwargs must have one entry per rank")
+    world = _World(size, threading.Barrier(size))
+    results: list = [None] * size
+    errors: list = [None] * size
+
+    def body(rank: int) -> None:
+        _local.world, _local.rank = world, rank
+        try:
+            results[rank] = fn(*rank_args[rank], **rank_kwargs[rank])
+        except BaseException as err:  # noqa: BLE001  (re-raised below, on the caller's thread)
+            errors[rank] = err
+            world.barrier.abort()
+        finally:
+            _local.world = None
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"nki-rank-{r}", daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, err = next(((r, e) for r, e in failed if not isinstance(e, _PeerFailed)), failed[0])
+        err.add_note(f"raised on rank {rank} of {size}")
+        raise err
+    return results

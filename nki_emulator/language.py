@@ -63,6 +63,8 @@ less = Operator("less", "arith", _cmp(np.less))
 less_equal = Operator("less_equal", "arith", _cmp(np.less_equal))
 bitwise_and = Operator("bitwise_and", "bitvec", np.bitwise_and)
 bitwise_or = Operator("bitwise_or", "bitvec", np.bitwise_or)
+left_shift = Operator("left_shift", "bitvec", np.left_shift)
+right_shift = Operator("right_shift", "bitvec", np.right_shift)
 
 
 def ndarray(shape, dtype, buffer=SBUF, name: str = "") -> Tensor:

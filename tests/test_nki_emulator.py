@@ -317,3 +317,95 @@ def test_engines_round_to_the_destination_dtype():
         return out
     a = np.array([[1.00390625, 1.01171875]], np.float32)  # halfway cases: ties to even
     np.testing.assert_array_equal(run(body, a).astype(np.float32), a.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+# --- collectives and the multi-rank driver -------------------------------------------------
+from nki_emulator import collectives as ncc  # noqa: E402
+from nki_emulator import run_ranks  # noqa: E402
+
+
+def _hbm(array):
+    return nki_emulator.Tensor(np.array(array), nl.shared_hbm, "t")
+
+
+def test_all_to_all_splits_and_concatenates_dim0():
+    group = ncc.ReplicaGroup([[0, 1, 2]])
+
+    def rank(me):
+        src, dst = _hbm(np.arange(6, dtype=np.int32).reshape(6, 1) + 10 * me), _hbm(np.zeros((6, 1), np.int32))
+        ncc.all_to_all(srcs=[src], dsts=[dst], replica_group=group, collective_dim=0)
+        return dst.array[:, 0].tolist()
+
+    got = run_ranks(rank, [(r,) for r in range(3)])
+    assert got[1] == [2, 3, 12, 13, 22, 23]  # chunk 1 of every source, in source order
+
+
+def _a2av_rank(me, send, recv_size, meta_rows, **flags):
+    """Rank `me` sends send[me][d] elements to rank d, packed; returns (dst, metadata) arrays."""
+    counts = np.array(send[me])
+    src = _hbm(np.arange(max(1, counts.sum()), dtype=np.float32) + 100 * (me + 1))
+    dst = _hbm(np.full(recv_size, -1.0, np.float32))
+    meta = _hbm(np.zeros((len(meta_rows) + 2, len(counts)), np.uint32))
+    meta.array[0], meta.array[1] = counts, np.cumsum(counts) - counts
+    for i, row in enumerate(meta_rows):
+        meta.array[2 + i] = row[me]
+    ncc.all_to_all_v(srcs=[src], dsts=[dst], replica_group=ncc.ReplicaGroup([[0, 1]]), metadata_tensor=meta, **flags)
+    return dst.array.tolist(), meta.array.tolist()
+
+
+def test_all_to_all_v_explicit_and_implicit_receive_layouts():
+    send = [[1, 2], [3, 0]]
+    recv_counts = [[1, 3], [2, 0]]
+    recv_displs = [[0, 1], [0, 2]]
+    got = run_ranks(_a2av_rank, [(r, send, 5, [recv_counts, recv_displs]) for r in range(2)],
+                    [dict(recv_counts_known=True, has_rdispls=True)] * 2)
+    assert got[0][0] == [100, 200, 201, 202, -1] and got[1][0] == [101, 102, -1, -1, -1]
+    # No receive displacements: slot j starts at j * size / EP; unknown receive counts are written to row 2.
+    got = run_ranks(_a2av_rank, [(r, send, 6, [[[0, 0], [0, 0]]]) for r in range(2)])
+    assert got[0][0] == [100, -1, -1, 200, 201, 202] and got[0][1][2] == [1, 3]
+    assert got[1][0] == [101, 102, -1, -1, -1, -1] and got[1][1][2] == [2, 0]
+
+
+def test_all_to_all_v_is_strict():
+    send = [[1, 2], [3, 0]]
+    flags = [dict(recv_counts_known=True, has_rdispls=True)] * 2
+    with pytest.raises(EmulatorError, match="disagree"):
+        run_ranks(_a2av_rank, [(r, send, 5, [[[1, 2], [2, 0]], [[0, 1], [0, 2]]]) for r in range(2)], flags)
+    with pytest.raises(EmulatorError, match="receive capacity exceeded"):
+        run_ranks(_a2av_rank, [(r, send, 3, [[[1, 3], [2, 0]], [[0, 1], [0, 2]]]) for r in range(2)], flags)
+    with pytest.raises(EmulatorError, match="overlap"):
+        run_ranks(_a2av_rank, [(r, send, 5, [[[1, 3], [2, 0]], [[0, 0], [0, 2]]]) for r in range(2)], flags)
+    with pytest.raises(EmulatorError, match="receive capacity exceeded.*slot"):
+        run_ranks(_a2av_rank, [(r, send, 4, [[[0, 0], [0, 0]]]) for r in range(2)])
+
+
+def test_driver_rules():
+    with pytest.raises(EmulatorError, match="multi-rank driver"):
+        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1)))], dsts=[_hbm(np.zeros((2, 1)))],
+                       replica_group=ncc.ReplicaGroup([[0, 1]]))
+
+    def mismatched(me):
+        t = _hbm(np.zeros((2, 1), np.float32))
+        if me == 0:
+            ncc.all_to_all(srcs=[t], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]))
+        else:
+            ncc.all_to_all_v(srcs=[t], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]),
+                             metadata_tensor=_hbm(np.zeros((3, 2), np.uint32)))
+    with pytest.raises(EmulatorError, match="same collectives in the same order"):
+        run_ranks(mismatched, [(0,), (1,)])
+
+    def one_fails(me):
+        if me == 1:
+            raise ValueError("rank one broke")
+        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1)))], dsts=[_hbm(np.zeros((2, 1)))], replica_group=ncc.ReplicaGroup([[0, 1]]))
+    with pytest.raises(ValueError, match="rank one broke") as info:
+        run_ranks(one_fails, [(0,), (1,)])
+    assert "raised on rank 1 of 2" in info.value.__notes__[0]
+
+    def sbuf_source(me):
+        tile = nl.ndarray((2, 1), dtype=nl.float32, buffer=nl.sbuf)
+        ncc.all_to_all(srcs=[tile], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]))
+    with pytest.raises(EmulatorError, match="must be HBM tensors"):
+        run_ranks(sbuf_source, [(0,), (1,)])
+    with pytest.raises(EmulatorError, match="overlap"):
+        ncc.ReplicaGroup([[0, 1], [1, 2]])

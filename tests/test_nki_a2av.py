@@ -1,0 +1,199 @@
+"""permute_a2av, the NKI expert-parallel dispatch, on EP ranks of the emulator's multi-rank driver.
+
+Each rank packs its routed rows by destination rank and the ranks exchange them through
+ncc.all_to_all_v. The reference concatenates, on every rank, the segments each source rank sends
+it, in source order, then zero rows up to the capacity; metadata is checked to the element.
+(The real nki.simulate runs one rank, so these tests run on the emulator only.)
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import generated
+from nki_emulator import EmulatorError, jit, run_ranks
+from nki_emulator.collectives import ReplicaGroup
+from nki_emulator.testing import bits, load_variant, to_numpy, to_torch
+
+NKI_VARIANTS = sorted(name for name, spec in generated.VARIANTS.items() if "nki" in spec["targets"])
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+DEEP = ["probs_bf16_mask", "probs_fp32_index", "probs_pad32_fp8e4m3_mx32_index"]
+
+
+def make_rank_inputs(spec, ep, seed, hidden=72, top_k=2, experts_per_rank=2, empty_rank=None, silent_pairs=()):
+    """Per rank: routed rows (one per token slot), their destination-major packing and counts.
+
+    Tokens pick top_k distinct experts; expert e lives on rank e // experts_per_rank. A rank in
+    `empty_rank` has no tokens; (src, dst) in `silent_pairs` means src sends dst nothing.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_experts = ep * experts_per_rank
+    ranks = []
+    for r in range(ep):
+        num_tokens = 0 if r == empty_rank else int(torch.randint(1, 90, (1,), generator=gen))
+        scores = torch.rand(num_tokens, num_experts, generator=gen)
+        for src, dst in silent_pairs:
+            if src == r:
+                scores[:, dst * experts_per_rank:(dst + 1) * experts_per_rank] = -1.0
+        experts = scores.topk(top_k, dim=1).indices  # distinct experts per token
+        dest = (experts // experts_per_rank).reshape(-1)
+        tokens = (torch.randn(num_tokens, hidden, generator=gen) * 4).to(TORCH_DTYPES[spec["dtype"]])
+        rows = tokens.repeat_interleave(top_k, dim=0)  # routed rows: token t's slots are rows t*k .. t*k+k-1
+        order = torch.sort(dest, stable=True).indices.to(torch.int32)
+        counts = torch.bincount(dest, minlength=ep).to(torch.int32)[None]
+        ranks.append((rows, order, counts, num_tokens))
+    total_tokens = sum(n for *_, n in ranks)
+    capacity = max(1, total_tokens * min(top_k, experts_per_rank))  # the dropless bound
+    return ranks, capacity
+
+
+def reference(ranks, ep, hidden, capacity, group=None):
+    """(recv [capacity, H], metadata uint32 [4, EP]) per rank, for rank-lists `group` (default: one list)."""
+    group = group or [list(range(ep))]
+    out = {}
+    for ranks_of_list in group:
+        for me_pos, me in enumerate(ranks_of_list):
+            segments, recv_counts = [], []
+            for src in ranks_of_list:
+                rows, order, counts, _ = ranks[src]
+                start = int(counts[0, :me_pos].sum())
+                segment = rows[order.long()][start:start + int(counts[0, me_pos])]
+                segments.append(segment)
+                recv_counts.append(segment.shape[0])
+            received = torch.cat(segments)
+            recv = torch.zeros((capacity, hidden), dtype=received.dtype)
+            recv[:received.shape[0]] = received
+            send = ranks[me][2][0].long()
+            recv_c = torch.tensor(recv_counts)
+            meta = torch.stack([send, torch.cumsum(send, 0) - send, recv_c, torch.cumsum(recv_c, 0) - recv_c]) * hidden
+            out[me] = (recv, meta.numpy().astype(np.uint32), int(recv_c.sum()))
+    return out
+
+
+def run_dispatch(module, ranks, capacity, group=None):
+    ep = len(ranks)
+    replica_group = ReplicaGroup(group or [list(range(ep))])
+    args = [(to_numpy(rows), order.numpy(), counts.numpy(), capacity, replica_group) for rows, order, counts, _ in ranks]
+    return run_ranks(module.permute_a2av, args)
+
+
+def check(results, want, hidden):
+    for rank, (recv, meta) in enumerate(results):
+        want_recv, want_meta, received = want[rank]
+        assert meta.dtype == np.uint32 and meta.shape == want_meta.shape
+        np.testing.assert_array_equal(meta, want_meta)
+        got = to_torch(recv)
+        assert got.shape == want_recv.shape
+        assert torch.equal(bits(got), bits(want_recv)), f"rank {rank}"
+        # Deterministic padding: every row past what arrived is exact (+0.0) zeros.
+        assert not bits(got)[received:].any()
+
+
+@pytest.mark.parametrize("name", DEEP)
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_permute_a2av_matches_reference(name, ep, seed):
+    module = load_variant(name, "emulator")
+    spec = module.VARIANT
+    # Uneven counts including zeros: one rank without tokens (seed 1), a source that skips a peer (seed 2).
+    empty = 1 if seed == 1 else None
+    silent = [(0, ep - 1), (ep - 1, 0)] if seed == 2 else []
+    ranks, capacity = make_rank_inputs(spec, ep, zlib.crc32(f"{name}/{ep}/{seed}".encode()), empty_rank=empty,
+                                       silent_pairs=silent)
+    want = reference(ranks, ep, 72, capacity)
+    if silent:
+        assert want[ep - 1][1][2, 0] == 0 and want[0][1][2, ep - 1] == 0
+    check(run_dispatch(module, ranks, capacity), want, 72)
+
+
+@pytest.mark.parametrize("name", NKI_VARIANTS)
+def test_every_variant_dispatches(name):
+    module = load_variant(name, "emulator")
+    ranks, capacity = make_rank_inputs(module.VARIANT, 2, zlib.crc32(name.encode()), hidden=40)
+    check(run_dispatch(module, ranks, capacity), reference(ranks, 2, 40, capacity), 40)
+
+
+def test_exact_capacity_and_hidden_tiles(monkeypatch):
+    """Capacity equal to the busiest rank's rows; H split across SBUF tiles with a partial last one."""
+    module = load_variant(DEEP[0], "emulator")
+    monkeypatch.setattr(module, "H_TILE", 64)
+    ranks, _ = make_rank_inputs(module.VARIANT, 4, 11, hidden=200, top_k=3)
+    loose = reference(ranks, 4, 200, 10 ** 4)
+    capacity = max(received for *_, received in loose.values())
+    check(run_dispatch(module, ranks, capacity), reference(ranks, 4, 200, capacity), 200)
+
+
+def test_strided_rank_lists():
+    """Four ranks in two independent EP=2 rank-lists [[0, 2], [1, 3]]."""
+    module = load_variant(DEEP[0], "emulator")
+    group = [[0, 2], [1, 3]]
+    ranks, capacity = make_rank_inputs(module.VARIANT, 4, 5, experts_per_rank=4)
+    # Re-route for EP=2: each rank's rows go to position 0 or 1 of its own rank-list.
+    gen = torch.Generator().manual_seed(6)
+    rerouted = []
+    for rows, _, _, n in ranks:
+        dest = torch.randint(0, 2, (rows.shape[0],), generator=gen)
+        rerouted.append((rows, torch.sort(dest, stable=True).indices.to(torch.int32),
+                         torch.bincount(dest, minlength=2).to(torch.int32)[None], n))
+    capacity = sum(r[0].shape[0] for r in rerouted)
+    check(run_dispatch(module, rerouted, capacity, group), reference(rerouted, 4, 72, capacity, group), 72)
+
+
+def test_receive_capacity_overflow_is_an_error():
+    module = load_variant(DEEP[0], "emulator")
+    ranks, _ = make_rank_inputs(module.VARIANT, 2, 3)
+    busiest = max(received for *_, received in reference(ranks, 2, 72, 10 ** 4).values())
+    with pytest.raises(EmulatorError, match="receive capacity exceeded"):
+        run_dispatch(module, ranks, busiest - 1)
+
+
+def test_bad_counts_and_indices():
+    module = load_variant(DEEP[0], "emulator")
+    ranks, capacity = make_rank_inputs(module.VARIANT, 2, 4)
+    rows, order, counts, _ = ranks[0]
+    group = ReplicaGroup([[0, 1]])
+    args = (to_numpy(rows), order.numpy(), counts.numpy(), capacity, group)
+    bad = counts.numpy().copy()
+    bad[0, 0] += 1
+    with pytest.raises(ValueError, match="must sum to"):
+        module.permute_a2av(args[0], args[1], bad, capacity, group)
+    with pytest.raises(ValueError, match="non-negative"):
+        module.permute_a2av(args[0], args[1], np.array([[-1, rows.shape[0] + 1]], dtype=np.int32), capacity, group)
+    out_of_range = order.numpy().copy()
+    out_of_range[0] = rows.shape[0]
+    with pytest.raises(ValueError, match=r"must lie in \[0,"):
+        module.permute_a2av(args[0], out_of_range, args[2], capacity, group)
+    with pytest.raises(TypeError, match="bfloat16"):
+        module.permute_a2av(rows.float().numpy(), args[1], args[2], capacity, group)
+    with pytest.raises(ValueError, match="recv_capacity"):
+        module.permute_a2av(args[0], args[1], args[2], 0, group)
+
+    # Past the host checks, the kernel itself is strict: counts beyond the rows, indices out of range.
+    kernel = getattr(module, f"{DEEP[0]}_permute_a2av")
+    other = ranks[1]
+    peer = (to_numpy(other[0]), other[1].numpy(), other[2].numpy(), capacity, group)
+    with pytest.raises(EmulatorError, match="past the end of its"):
+        run_ranks(kernel, [(args[0], args[1], bad, capacity, group), peer])
+    with pytest.raises(EmulatorError, match="out of bounds"):
+        run_ranks(kernel, [(args[0], out_of_range, args[2], capacity, group), peer])
+
+
+def test_metadata_elements_are_exact_past_fp32():
+    """rows * H beyond 2^24 (fp32's exact integers) still comes out exact."""
+    module = load_variant(DEEP[0], "emulator")
+    rows = np.array([[499_999, 3, 131_071, 0]], dtype=np.float32)
+
+    def body(counts):
+        tile = module.nl.ndarray((1, 4), dtype=module.nl.float32, buffer=module.nl.sbuf)
+        module.nisa.dma_copy(dst=tile, src=counts)
+        out = module.nl.ndarray((1, 4), dtype=module.nl.uint32, buffer=module.nl.shared_hbm)
+        module._store_elements(out, tile, 7168)
+        return out
+
+    got = jit(body)(rows)
+    np.testing.assert_array_equal(got, (rows.astype(np.int64) * 7168).astype(np.uint32))
