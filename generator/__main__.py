@@ -6,8 +6,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from .render import GENERATED, ROOT, GenerationError, diff_against, render_all, write_all
+from .render import GENERATED, MARKER, ROOT, GenerationError, diff_against, render_all, stale_and_foreign, write_all
 from .spec import SpecError, load_spec
+
+
+def display_name(out_dir: Path) -> str:
+    """How messages name the output directory: relative to the working directory when it lies
+    below it, else by its own name (no machine paths in the output)."""
+    resolved = out_dir.resolve()
+    try:
+        rel = resolved.relative_to(Path.cwd().resolve())
+    except ValueError:
+        return resolved.name or str(resolved)
+    return rel.as_posix() if rel.parts else "."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", type=Path, default=ROOT / "variants.toml", help="spec file (default: variants.toml)")
     parser.add_argument("--out", type=Path, default=GENERATED, help="output directory (default: generated/)")
     args = parser.parse_args(argv)
+    label = display_name(args.out)
     try:
         variants = load_spec(args.spec)
         if args.command == "list":
@@ -27,18 +39,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.command == "check":
-        diff = diff_against(outputs, args.out)
+        diff = diff_against(outputs, args.out, label)
         if diff:
             sys.stdout.write(diff)
-            print("error: generated/ is out of date with the spec; run `make generate`", file=sys.stderr)
+            print(f"error: {label}/ is out of date with the spec; run `make generate`", file=sys.stderr)
             return 1
-        print(f"generated/ is up to date ({len(variants)} variants)")
+        print(f"{label}/ is up to date ({len(variants)} variants)")
         return 0
-    written, removed = write_all(outputs, args.out)
+    _, foreign = stale_and_foreign(outputs, args.out)
+    if foreign:  # never delete or overwrite around files the generator did not write
+        listing = "".join(f"\n  {label}/{path}" for path in foreign)
+        print(f"error: {label}/ holds files that are not generator output (their first line does not "
+              f"start with {MARKER!r}); move them out of {label}/ and run again:{listing}", file=sys.stderr)
+        return 2
+    try:
+        written, removed = write_all(outputs, args.out)
+    except (GenerationError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     for path in written:
-        print(f"wrote   generated/{path}")
+        print(f"wrote   {label}/{path}")
     for path in removed:
-        print(f"removed generated/{path}")
+        print(f"removed {label}/{path}")
     print(f"{len(variants)} variants, {len(written)} files written, {len(removed)} removed")
     return 0
 
