@@ -627,8 +627,6 @@ def test_nki_kernel_symbols_carry_the_variant_name(variants, outputs):
             assert names and all(n.startswith(f"{v.name}_") for n in names), names
 
 
-@pytest.mark.xfail(strict=True, reason="DESIGN.md: the variant name is the prefix of every kernel symbol; the Triton "
-                                       "kernels are all named _permute_kernel, _unpermute_kernel, ... in every variant")
 def test_triton_kernel_symbols_carry_the_variant_name(variants, outputs):
     texts = by_path(outputs)
     for v in variants:

@@ -531,8 +531,6 @@ def test_unpermute_bad_restore_shape(restore_shape, permuted, monkeypatch):
         mod.unpermute(combine, res.row_id_map, probs, restore_shape=restore_shape)
 
 
-@pytest.mark.xfail(strict=True, reason="tuple(restore_shape) on a non-sequence raises \"'int' object is not "
-                                       "iterable\", which does not say what restore_shape should be")
 @pytest.mark.parametrize("restore_shape", [N * H, 1.5])
 def test_unpermute_restore_shape_not_a_sequence(restore_shape, permuted, monkeypatch):
     mod, res, combine, probs = permuted(MASK)

@@ -1,0 +1,75 @@
+"""Where the time goes: host cost per call of each piece, and GPU time per kernel.
+
+    python3 benchmarks/profile_breakdown.py [variant]        (needs a CUDA GPU)
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import make_inputs  # noqa: E402
+
+
+def host_us(fn, calls=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main():
+    name = sys.argv[1] if len(sys.argv) > 1 else "probs_bf16_mask"
+    mod = __import__(f"generated.triton.{name}", fromlist=["VARIANT"])
+    N, H, E, k = 1024, 1024, 16, 2
+    tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
+    kw = dict(num_experts=E, num_out_tokens=N * k)
+    if mod.VARIANT["routing"] == "mask":
+        kw["topk"] = k
+    res = mod.permute(tokens, routing, probs, scale, **kw)
+    permuted = torch.randn(N * k, H, device="cuda").to(mod.COMBINE_DTYPE)
+    out = torch.empty(N, H, device="cuda", dtype=mod.COMBINE_DTYPE)
+    rm = res.row_id_map
+    print(f"host us per call, {name}, N={N} H={H} E={E} k={k}")
+    print(f"  torch.empty                 {host_us(lambda: torch.empty(N, H, device='cuda')):7.1f}")
+    print(f"  one triton launch (gather)  {host_us(lambda: getattr(mod, f"{name}_sum_routes_kernel")[(N,)](permuted, rm.dst_rows, out, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4)):7.1f}")
+    print(f"  permute                     {host_us(lambda: mod.permute(tokens, routing, probs, scale, **kw)):7.1f}")
+    print(f"  unpermute                   {host_us(lambda: mod.unpermute(permuted, rm, probs)):7.1f}")
+    print(f"  round trip                  {host_us(lambda: mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)):7.1f}")
+
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        mod.permute(tokens, routing, probs, scale, **kw)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+    # GPU time per kernel at a large shape
+    N, H, E, k = 16384, 7168, 256, 8
+    tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
+    kw = dict(num_experts=E, num_out_tokens=N * k + (E * mod.VARIANT["pad"]))
+    if mod.VARIANT["routing"] == "mask":
+        kw["topk"] = k
+    for _ in range(3):
+        mod.permute(tokens, routing, probs, scale, **kw)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        for _ in range(10):
+            mod.permute(tokens, routing, probs, scale, **kw)
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Sweep the row-copy launch parameters (warps, bytes per warp per step) of one variant.
+
+    python3 benchmarks/sweep.py [variant]        (needs a CUDA GPU)
+
+Times are CUDA-graph replays, so they are GPU time only; the floor is the copy bandwidth.
+"""
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import copy_bandwidth, make_inputs, op_bytes  # noqa: E402
+
+
+def graph_us(fn):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3
+
+
+def main():
+    name = sys.argv[1] if len(sys.argv) > 1 else "probs_bf16_index"
+    mod = __import__(f"generated.triton.{name}", fromlist=["VARIANT"])
+    bw = copy_bandwidth()
+    print(f"copy {bw / 1e9:.0f} GB/s; {name}")
+    for shape, N, H, E, k in [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
+                              ("mixtral", 16384, 4096, 8, 2), ("small", 1024, 1024, 16, 2)]:
+        tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
+        M = N * k + (E * (mod.VARIANT["pad"] - 1) if mod.VARIANT["pad"] else 0)
+        kw = dict(num_experts=E, num_out_tokens=M)
+        if mod.VARIANT["routing"] == "mask":
+            kw["topk"] = k
+        permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
+        for warps, row_bytes in itertools.product((4, 8, 16), (256, 512, 1024)):
+            mod._NUM_WARPS, mod._ROW_BYTES_PER_WARP = warps, row_bytes
+            res = mod.permute(tokens, routing, probs, scale, **kw)
+            t_p = graph_us(lambda: mod.permute(tokens, routing, probs, scale, **kw))
+            t_u = graph_us(lambda: mod.unpermute(permuted, res.row_id_map, probs))
+            f_p = op_bytes("permute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
+            f_u = op_bytes("unpermute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
+            print(f"{shape:12s} warps={warps:2d} bytes/warp={row_bytes:4d}  permute {t_p:8.1f} us x{t_p / f_p:.3f}"
+                  f"   unpermute {t_u:8.1f} us x{t_u / f_u:.3f}", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+            mod._NUM_WARPS, mod._ROW_BYTES_PER_WARP = 4, 512
+            for _ in range(5):
+                mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
+            torch.cuda.synchronize()
+        for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:5]:
+            print(f"   {e.key:28s} {e.device_time_total / e.count:9.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
