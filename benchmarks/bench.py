@@ -48,6 +48,18 @@ def copy_bandwidth():
     return 2 * src.numel() * src.element_size() / t
 
 
+def reference_bandwidths():
+    """Plain PyTorch data movement with permute's shape of traffic, for context (GB/s, read + written)."""
+    N, H, k = 16384, 7168, 8
+    tokens = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+    out = torch.empty(N, k, H, device="cuda", dtype=torch.bfloat16)
+    t_fill = bench(lambda: out.fill_(1.0)) * 1e-6
+    t_bcast = bench(lambda: out.copy_(tokens[:, None, :].expand(N, k, H))) * 1e-6
+    n = out.numel() * 2
+    return {"write-only fill": round(n / t_fill / 1e9, 1),
+            "1-read-8-writes broadcast copy": round((n + tokens.numel() * 2) / t_bcast / 1e9, 1)}
+
+
 def make_inputs(mod, N, H, E, k, seed=0):
     v = mod.VARIANT
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -96,22 +108,34 @@ def torch_unpermute(permuted, probs, src_token, N, dst=None):
 # ---- bytes each op must move ------------------------------------------------------------------
 
 def op_bytes(op, mod, N, H, E, k, M, routing, probs):
+    """Bytes the op must read + write. R = N * k routed rows; M = rows of the permuted tensor
+    (>= R: pad rows and rows past the last segment are written as zeros)."""
     tb = torch.empty((), dtype=mod.TOKEN_DTYPE).element_size()
     cb = torch.empty((), dtype=mod.COMBINE_DTYPE).element_size()
-    routes = N * k
-    row_map = routes * 4
-    prob_bytes = routes * 4 if probs is not None else 0
+    R = N * k
+    row_map = R * 4
+    prob_bytes = R * 4 if probs is not None else 0
     scale_row = triton.cdiv(H, 128) * 4 if mod.VARIANT["scale"] == "block128" else 0
-    if op == "permute":  # read tokens + routing, write rows (+ probs, scales) and the row map
+    if op == "permute":  # read tokens + routing, write every row (+ probs, scales) and the row map
         return (N * H * tb + routing.numel() * routing.element_size() + M * H * tb
                 + prob_bytes + M * 4 * (probs is not None) + (N + M) * scale_row + row_map)
-    if op == "unpermute":  # read rows, probs and map, write tokens
-        return M * H * cb + N * H * cb + prob_bytes + row_map
-    if op == "permute_bwd":  # read row grads, write token grads (+ prob grads)
-        return M * H * cb + N * H * cb + row_map + 2 * prob_bytes
-    if op == "unpermute_bwd":  # read token grads and rows, write row grads and prob grads
-        return N * H * cb + 2 * M * H * cb + row_map + 2 * prob_bytes
+    if op == "unpermute":  # read the routed rows, probs and map, write tokens
+        return R * H * cb + N * H * cb + prob_bytes + row_map
+    if op == "permute_bwd":  # read the routed row grads, write token grads (+ prob grads)
+        return R * H * cb + N * H * cb + row_map + 2 * prob_bytes
+    if op == "unpermute_bwd":  # read token grads and routed rows, write every row grad and prob grads
+        return N * H * cb + R * H * cb + M * H * cb + row_map + 2 * prob_bytes
     raise ValueError(op)
+
+
+def graph_us(fn):
+    """GPU time alone: the op replayed from a CUDA graph (no launch or Python overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
 
 
 def run_shape(name, N, H, E, k, variants, copy_bw, results):
@@ -164,16 +188,25 @@ def run_shape(name, N, H, E, k, variants, copy_bw, results):
         for op, fn, native in (("permute", fwd, nat_fwd), ("unpermute", unp, nat_unp),
                                ("permute_bwd", pbwd, nat_pbwd), ("unpermute_bwd", ubwd, nat_ubwd)):
             t = bench(fn)
+            try:
+                t_graph = graph_us(fn)
+            except RuntimeError:  # an op whose autograd path cannot be captured: eager time only
+                t_graph = None
             tn_us = bench(native)
             nbytes = op_bytes(op, mod, N, H, E, k, M, routing, probs)
             floor_us = nbytes / copy_bw * 1e6
             row = dict(shape=name, N=N, H=H, E=E, k=k, variant=vname, op=op, time_us=round(t, 2),
                        bytes=nbytes, gbps=round(nbytes / t / 1e3, 1), floor_us=round(floor_us, 2),
-                       ratio_to_floor=round(t / floor_us, 3), torch_us=round(tn_us, 2),
+                       ratio_to_floor=round(t / floor_us, 3),
+                       graph_time_us=None if t_graph is None else round(t_graph, 2),
+                       graph_ratio_to_floor=None if t_graph is None else round(t_graph / floor_us, 3),
+                       torch_us=round(tn_us, 2),
                        speedup_vs_torch=round(tn_us / t, 2))
             results.append(row)
             print(f"{name:15s} {vname:36s} {op:14s} {t:9.1f} us  {row['gbps']:7.0f} GB/s  "
-                  f"x{row['ratio_to_floor']:.3f} floor  torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)", flush=True)
+                  f"x{row['ratio_to_floor']:.3f} floor  "
+                  + (f"graph x{row['graph_ratio_to_floor']:.3f}  " if t_graph is not None else " " * 15)
+                  + f"torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)", flush=True)
         del res, r2, u_out, nat, nat2, nat_u
         torch.cuda.empty_cache()
 
@@ -192,7 +225,16 @@ def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500):
     for _ in range(calls):
         mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    eager = (time.perf_counter() - start) / calls * 1e6
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        graph.replay()
+    torch.cuda.synchronize()
+    return dict(eager_us=round(eager, 1), graph_replay_us=round((time.perf_counter() - start) / calls * 1e6, 1))
 
 
 def bookkeeping(mod, N, H, E, k):
@@ -242,12 +284,14 @@ def main():
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     args.out.mkdir(parents=True, exist_ok=True)
     copy_bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    references = reference_bandwidths()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + written); "
+          + ", ".join(f"{k} {v:.0f} GB/s" for k, v in references.items()), flush=True)
     results = []
     for name, N, H, E, k in SHAPES:
         if name in args.shapes:
             run_shape(name, N, H, E, k, args.variants, copy_bw, results)
-    small = {v: round(round_trip_us(__import__(f"generated.triton.{v}", fromlist=["VARIANT"])), 1) for v in args.variants}
+    small = {v: round_trip_us(__import__(f"generated.triton.{v}", fromlist=["VARIANT"])) for v in args.variants}
     print("small-shape permute + unpermute round trip, host-measured us/call:", small)
     memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(__import__(f"generated.triton.{v}", fromlist=["VARIANT"]), 16384, 7168, 256, 8)))
               for v in args.variants}
@@ -255,7 +299,7 @@ def main():
     summary = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), command="python3 benchmarks/bench.py --out benchmarks/results",
-        copy_gbps=round(copy_bw / 1e9, 1), results=results, small_round_trip_us=small, bookkeeping=memory)
+        copy_gbps=round(copy_bw / 1e9, 1), reference_gbps=references, results=results, small_round_trip_us=small, bookkeeping=memory)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(results, args.out / "bench.png")
 
