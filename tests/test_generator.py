@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import DEVICE
+
 from generator import render
 from generator.render import MODULE_TEMPLATES, REGISTRY_TEMPLATE, diff_against, fingerprint, render_all, write_all
 from generator.spec import load_spec
@@ -545,6 +547,7 @@ def test_new_index_variant_runs_against_the_reference(user_tree):
     routing = torch.argsort(torch.rand(N, E, generator=g), dim=1)[:, :k].to(torch.int32)
     routing[torch.rand(N, k, generator=g) < 0.2] = -1
 
+    tokens, routing = tokens.to(DEVICE), routing.to(DEVICE)
     res = mod.permute(tokens, routing, num_experts=E)
     ref_tokens, ref_probs, ref_scale, ref_tpe, routes = permute_ref(
         tokens, routing, routing_kind="index", num_experts=E, pad=64)
@@ -557,7 +560,7 @@ def test_new_index_variant_runs_against_the_reference(user_tree):
     # Rows that only move are exact; the sum of a token's copies is exact too (k <= 2, fp16 in fp32).
     back = mod.unpermute(res.tokens, res.row_id_map)
     assert torch.equal(back, unpermute_ref(res.tokens, routes, N))
-    expert_out = (torch.randn(res.tokens.shape, generator=g)).to(torch.float16)
+    expert_out = (torch.randn(res.tokens.shape, generator=g)).to(torch.float16).to(DEVICE)
     combined = mod.unpermute(expert_out, res.row_id_map, restore_shape=(N, H))
     torch.testing.assert_close(combined, unpermute_ref(expert_out, routes, N), rtol=2e-3, atol=2e-3)
 
@@ -583,6 +586,7 @@ def test_new_fp8_mask_variant_runs_against_the_reference(user_tree):
     probs = torch.rand(N, E, generator=g)
     scale = torch.randint(0, 256, (N, -(-H // 32)), dtype=torch.uint8, generator=g)
 
+    tokens, routing, probs, scale = (t.to(DEVICE) for t in (tokens, routing, probs, scale))
     res = mod.permute(tokens, routing, probs, scale)
     ref_tokens, ref_probs, ref_scale, ref_tpe, routes = permute_ref(
         tokens, routing, routing_kind="mask", num_experts=E, probs=probs, scale=scale, pad=8)
@@ -591,7 +595,7 @@ def test_new_fp8_mask_variant_runs_against_the_reference(user_tree):
     assert torch.equal(res.scale, ref_scale)
     assert torch.equal(res.tokens_per_expert, ref_tpe)
 
-    expert_out = torch.randn(res.tokens.shape, generator=g).to(torch.bfloat16)  # fp8 variants combine bf16
+    expert_out = torch.randn(res.tokens.shape, generator=g).to(torch.bfloat16).to(DEVICE)  # fp8 variants combine bf16
     combined = mod.unpermute(expert_out, res.row_id_map, probs)
     assert combined.dtype == torch.bfloat16
     torch.testing.assert_close(combined, unpermute_ref(expert_out, routes, N, probs), rtol=1.6e-2, atol=1e-2)

@@ -420,7 +420,7 @@ def test_out_of_range_ids_unchecked_route_nowhere(name, cap, g, poisoned_empty):
     assert bool((dst[bad_routes] == -1).all())
 
     # unpermute sees the dropped routes as absent.
-    combine = torch.randn(res.tokens.shape, generator=g).to(mod.COMBINE_DTYPE)
+    combine = torch.randn(res.tokens.shape, generator=g).to(mod.COMBINE_DTYPE).to(DEVICE)
     out = mod.unpermute(combine, res.row_id_map, probs)
     expected = unpermute_ref(combine, routes, n, probs)
     torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1e-2)
@@ -451,7 +451,7 @@ def permuted(g):
         mod = load(name)
         tokens, routing, probs, scale, kw = inputs(name, g)
         res = mod.permute(tokens, routing, probs, scale, **kw)
-        combine = torch.randn(res.tokens.shape, generator=g).to(mod.COMBINE_DTYPE)
+        combine = torch.randn(res.tokens.shape, generator=g).to(mod.COMBINE_DTYPE).to(DEVICE)
         return mod, res, combine, probs
     return make
 
@@ -486,7 +486,7 @@ def test_unpermute_wrong_dtype(dtype, permuted, monkeypatch):
 def test_unpermute_not_contiguous_or_elsewhere(permuted, monkeypatch):
     mod, res, combine, probs = permuted(INDEX)
     assert_no_kernel(monkeypatch, mod)
-    strided = torch.empty(combine.shape[1], combine.shape[0], dtype=combine.dtype).t()
+    strided = torch.empty(combine.shape[1], combine.shape[0], dtype=combine.dtype, device=DEVICE).t()
     with raises(ValueError, "permuted must be contiguous"):
         mod.unpermute(strided, res.row_id_map, probs)
     with raises(ValueError, "permuted is on meta"):
@@ -511,7 +511,7 @@ def test_unpermute_merging_probs_on_a_variant_without_probs(permuted, monkeypatc
     mod, res, combine, _ = permuted(INDEX_NO_PROBS)
     assert_no_kernel(monkeypatch, mod)
     with raises(ValueError, "this variant has no probs"):
-        mod.unpermute(combine, res.row_id_map, torch.rand(N, K, generator=g))
+        mod.unpermute(combine, res.row_id_map, torch.rand(N, K, generator=g).to(DEVICE))
 
 
 @pytest.mark.parametrize("name, shape, want", [(MASK, (N, K), f"[{N}, {E}]"), (INDEX, (N, E), f"[{N}, {K}]"),
@@ -520,7 +520,7 @@ def test_unpermute_merging_probs_wrong_shape(name, shape, want, permuted, monkey
     mod, res, combine, _ = permuted(name)
     assert_no_kernel(monkeypatch, mod)
     with raises(ValueError, "merging_probs must have shape", want):
-        mod.unpermute(combine, res.row_id_map, torch.rand(shape, generator=g))
+        mod.unpermute(combine, res.row_id_map, torch.rand(shape, generator=g).to(DEVICE))
 
 
 @pytest.mark.parametrize("restore_shape", [(N + 1, H), (N, H - 1), (H, N), (N,), (N, H, 1)])
