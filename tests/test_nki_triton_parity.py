@@ -1,6 +1,6 @@
 """The Triton and NKI sources of one variant compute the same function: same moved data, bit for
-bit, and matching sums, on the same inputs (Triton under TRITON_INTERPRET=1 on the CPU, NKI in the
-emulator)."""
+bit, and matching sums, on the same inputs (Triton on the GPU, or under TRITON_INTERPRET=1 on the
+CPU as conftest.py sets it; NKI in the emulator)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import generated
+from conftest import DEVICE
 from nki_emulator.testing import bits, load_variant, to_numpy, to_torch
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BOTH = sorted(n for n, spec in generated.VARIANTS.items() if {"triton", "nki"} <= set(spec["targets"]))
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -57,7 +56,11 @@ def test_triton_and_nki_agree(name, num_tokens, hidden, drop):
         counts = nki_mod._expert_counts(routing.numpy().astype("int32"), num_experts)  # rows every route needs
         num_out_tokens = int(counts.sum()) * 2 // 3
 
-    t = triton_mod.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=num_out_tokens)
+    on_device = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    t = triton_mod.permute(on_device(tokens), on_device(routing), on_device(probs), on_device(scale),
+                           num_experts=num_experts, num_out_tokens=num_out_tokens)
+    t = t._replace(tokens=t.tokens.cpu(), tokens_per_expert=t.tokens_per_expert.cpu(),
+                   probs=None if t.probs is None else t.probs.cpu(), scale=None if t.scale is None else t.scale.cpu())
     n = nki_mod.permute(to_numpy(tokens), routing.numpy(), None if probs is None else to_numpy(probs),
                         None if scale is None else to_numpy(scale), num_experts=num_experts, num_out_tokens=num_out_tokens)
     assert torch.equal(bits(t.tokens), bits(to_torch(n.tokens)))
@@ -69,20 +72,20 @@ def test_triton_and_nki_agree(name, num_tokens, hidden, drop):
 
     expert_out = torch.randn(t.tokens.shape, generator=gen).to(combine)
     merging = torch.rand(routing.shape, generator=gen) if spec["probs"] else None
-    got_t = triton_mod.unpermute(expert_out, t.row_id_map, merging)
+    got_t = triton_mod.unpermute(on_device(expert_out), t.row_id_map, on_device(merging)).cpu()
     got_n = to_torch(nki_mod.unpermute(to_numpy(expert_out), n.row_id_map, None if merging is None else to_numpy(merging)))
     tol = SUM_TOLERANCE[combine]
     torch.testing.assert_close(got_t.float(), got_n.float(), rtol=tol, atol=tol)
 
     if spec["probs"] and drop:
         # merging_probs=None: both targets sum the routes' rows unweighted, and scatter the gradient unweighted.
-        plain_t = triton_mod.unpermute(expert_out, t.row_id_map, None)
+        plain_t = triton_mod.unpermute(on_device(expert_out), t.row_id_map, None).cpu()
         plain_n = to_torch(nki_mod.unpermute(to_numpy(expert_out), n.row_id_map, None))
         torch.testing.assert_close(plain_t.float(), plain_n.float(), rtol=tol, atol=tol)
 
         grad_out = torch.randn(num_tokens, hidden, generator=gen).to(combine)
-        leaf = expert_out.clone().requires_grad_(True)
-        triton_mod.unpermute(leaf, t.row_id_map, None).backward(grad_out)
+        leaf = on_device(expert_out).clone().requires_grad_(True)
+        triton_mod.unpermute(leaf, t.row_id_map, None).backward(on_device(grad_out))
         rows_n, probs_n = nki_mod.unpermute_backward(to_numpy(grad_out), to_numpy(expert_out), n.row_id_map, None)
         assert probs_n is None
-        assert torch.equal(bits(leaf.grad), bits(to_torch(rows_n)))
+        assert torch.equal(bits(leaf.grad.cpu()), bits(to_torch(rows_n)))
