@@ -10,21 +10,11 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import copy_bandwidth, make_inputs, op_bytes  # noqa: E402
-
-
-def graph_us(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3
+from bench import copy_bandwidth, graph_us, make_inputs, op_bytes  # noqa: E402
 
 
 def main():
