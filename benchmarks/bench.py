@@ -247,15 +247,15 @@ def bookkeeping(mod, N, H, E, k):
     return ours, N * (2 * E + 1) * 4
 
 
-def plot(results, path):
+def plot(results, path, gpu):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ops = ["permute", "unpermute", "permute_bwd", "unpermute_bwd"]
     shapes = [s[0] for s in SHAPES]
-    variants = sorted({r["variant"] for r in results}, key=VARIANTS.index)
-    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.5), sharey=True)
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in results)]
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.8), sharey=True)
     width = 0.8 / len(variants)
     for ax, op in zip(axes, ops):
         for i, vname in enumerate(variants):
@@ -263,11 +263,12 @@ def plot(results, path):
                   for s in shapes]
             ax.bar([x + i * width for x in range(len(shapes))], ys, width, label=vname)
         ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
         ax.set_title(op)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=30, ha="right", fontsize=8)
-    axes[0].set_ylabel("time / copy floor (lower is better, 1 = floor)")
+    axes[0].set_ylabel("median time / copy floor (log; 1 = floor)")
     axes[-1].legend(fontsize=7)
-    fig.suptitle(f"permgen Triton kernels on {torch.cuda.get_device_name()}: median time over the copy floor")
+    fig.suptitle(f"permgen Triton kernels on {gpu}, eager calls (the small shape is launch-bound)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -277,7 +278,12 @@ def main():
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     parser.add_argument("--variants", nargs="*", default=VARIANTS)
+    parser.add_argument("--plot-only", action="store_true", help="redraw bench.png from --out/bench.json")
     args = parser.parse_args()
+    if args.plot_only:
+        summary = json.loads((args.out / "bench.json").read_text())
+        plot(summary["results"], args.out / "bench.png", summary["gpu"])
+        return
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     args.out.mkdir(parents=True, exist_ok=True)
     copy_bw = copy_bandwidth()
@@ -298,7 +304,7 @@ def main():
         python=platform.python_version(), command="python3 benchmarks/bench.py --out benchmarks/results",
         copy_gbps=round(copy_bw / 1e9, 1), reference_gbps=references, results=results, small_round_trip_us=small, bookkeeping=memory)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(results, args.out / "bench.png")
+    plot(results, args.out / "bench.png", summary["gpu"])
 
 
 if __name__ == "__main__":
