@@ -35,7 +35,7 @@ test: $(VENV)/.test-deps
 
 # On the GPU machine: the same suite, kernels running natively on the GPU.
 test-gpu:
-	$(PYTHON_SYS) -m pytest -q -x -p no:cacheprovider tests
+	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n 8 tests
 
 bench:
 	$(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
