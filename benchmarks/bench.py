@@ -23,7 +23,6 @@ import triton
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import generated  # noqa: E402
 
 SHAPES = [  # name, N, H, E, k
     ("deepseek_v3", 16384, 7168, 256, 8),

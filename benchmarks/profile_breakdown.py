@@ -41,7 +41,9 @@ def main():
     rm = res.row_id_map
     print(f"host us per call, {name}, N={N} H={H} E={E} k={k}")
     print(f"  torch.empty                 {host_us(lambda: torch.empty(N, H, device='cuda')):7.1f}")
-    print(f"  one triton launch (gather)  {host_us(lambda: getattr(mod, f"{name}_sum_routes_kernel")[(N,)](permuted, rm.dst_rows, out, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4)):7.1f}")
+    gather = getattr(mod, f"{name}_sum_routes_kernel")
+    launch_us = host_us(lambda: gather[(N,)](permuted, rm.dst_rows, out, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4))
+    print(f"  one triton launch (gather)  {launch_us:7.1f}")
     print(f"  permute                     {host_us(lambda: mod.permute(tokens, routing, probs, scale, **kw)):7.1f}")
     print(f"  unpermute                   {host_us(lambda: mod.unpermute(permuted, rm, probs)):7.1f}")
     print(f"  round trip                  {host_us(lambda: mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)):7.1f}")
