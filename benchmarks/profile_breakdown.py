@@ -41,9 +41,22 @@ def main():
     rm = res.row_id_map
     print(f"host us per call, {name}, N={N} H={H} E={E} k={k}")
     print(f"  torch.empty                 {host_us(lambda: torch.empty(N, H, device='cuda')):7.1f}")
+    print(f"  torch.zeros(1)              {host_us(lambda: torch.zeros(1, dtype=torch.int32, device='cuda')):7.1f}")
+    print(f"  slice + view                {host_us(lambda: out[2:10].view(-1)):7.1f}")
+    print(f"  current stream handle       {host_us(lambda: torch.cuda.current_stream().cuda_stream):7.1f}")
     gather = getattr(mod, f"{name}_sum_routes_kernel")
     launch_us = host_us(lambda: gather[(N,)](permuted, rm.dst_rows, out, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4))
     print(f"  one triton launch (gather)  {launch_us:7.1f}")
+    compiled = gather[(N,)](permuted, rm.dst_rows, out, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4)
+    values = (permuted, rm.dst_rows, out, H, k, 2, 1024)
+    print(f"  compiled[grid](*args)       {host_us(lambda: compiled[(N, 1, 1)](*values)):7.1f}")
+    stream = torch.cuda.current_stream().cuda_stream
+    compiled._init_handles()
+    raw = lambda: compiled.run(N, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)  # noqa: E731
+    try:
+        print(f"  compiled.run(...) raw       {host_us(raw):7.1f}")
+    except Exception as exc:  # the launcher's signature differs between Triton versions
+        print(f"  compiled.run(...) raw       failed: {exc}")
     print(f"  permute                     {host_us(lambda: mod.permute(tokens, routing, probs, scale, **kw)):7.1f}")
     print(f"  unpermute                   {host_us(lambda: mod.unpermute(permuted, rm, probs)):7.1f}")
     print(f"  round trip                  {host_us(lambda: mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)):7.1f}")
