@@ -52,10 +52,10 @@ def reference_bandwidths():
     N, H, k = 16384, 7168, 8
     tokens = torch.randn(N, H, device="cuda").to(torch.bfloat16)
     out = torch.empty(N, k, H, device="cuda", dtype=torch.bfloat16)
-    t_fill = bench(lambda: out.fill_(1.0)) * 1e-6
+    t_fill = bench(lambda: out.zero_()) * 1e-6
     t_bcast = bench(lambda: out.copy_(tokens[:, None, :].expand(N, k, H))) * 1e-6
     n = out.numel() * 2
-    return {"write-only fill": round(n / t_fill / 1e9, 1),
+    return {"write-only memset": round(n / t_fill / 1e9, 1),
             "1-read-8-writes broadcast copy": round((n + tokens.numel() * 2) / t_bcast / 1e9, 1)}
 
 
@@ -207,13 +207,17 @@ def run_shape(name, N, H, E, k, variants, copy_bw, results):
         torch.cuda.empty_cache()
 
 
-def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500):
-    """Host-measured permute + unpermute per call, launch and Python overhead included."""
+def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
+    """Host-measured permute + unpermute per call, launch and Python overhead included.
+    grad: inputs require grad, so both calls go through autograd (a training step's forward)."""
     tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
+    if grad:
+        tokens.requires_grad_(tokens.is_floating_point() and tokens.element_size() > 1)
+        probs.requires_grad_()
     kw = dict(num_experts=E, num_out_tokens=N * k)
     if mod.VARIANT["routing"] == "mask":
         kw["topk"] = k
-    permuted = torch.randn(N * k, H, device="cuda").to(mod.COMBINE_DTYPE)
+    permuted = torch.randn(N * k, H, device="cuda").to(mod.COMBINE_DTYPE).requires_grad_(grad)
     for _ in range(20):
         mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
     torch.cuda.synchronize()
@@ -222,6 +226,8 @@ def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500):
         mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
     torch.cuda.synchronize()
     eager = (time.perf_counter() - start) / calls * 1e6
+    if grad:
+        return dict(eager_us=round(eager, 1))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
@@ -240,10 +246,9 @@ def bookkeeping(mod, N, H, E, k):
     if mod.VARIANT["routing"] == "mask":
         kw["topk"] = k
     rm = mod.permute(tokens, routing, probs, scale, **kw).row_id_map
-    ours = sum(t.numel() * t.element_size() for t in (rm.dst_rows, rm.segment_offsets, rm.segment_counts))
-    if mod.VARIANT["routing"] == "mask":
-        ours += rm.experts.numel() * rm.experts.element_size()  # the index routing's ids are the user's input
-    return ours, N * (2 * E + 1) * 4
+    # The row map: dst rows, compacted experts (mask routing; index routing keeps the user's ids)
+    # and the segment table. The routing scratch is one reused buffer per stream, not per call.
+    return rm.row_map.numel() * rm.row_map.element_size(), N * (2 * E + 1) * 4
 
 
 def plot(results, path, gpu):
@@ -294,6 +299,8 @@ def main():
         if name in args.shapes:
             run_shape(name, N, H, E, k, args.variants, copy_bw, results)
     small = {v: round_trip_us(__import__(f"generated.triton.{v}", fromlist=["VARIANT"])) for v in args.variants}
+    for v in args.variants:
+        small[v]["autograd_eager_us"] = round_trip_us(__import__(f"generated.triton.{v}", fromlist=["VARIANT"]), grad=True)["eager_us"]
     print("small-shape permute + unpermute round trip, host-measured us/call:", small)
     memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(__import__(f"generated.triton.{v}", fromlist=["VARIANT"]), 16384, 7168, 256, 8)))
               for v in args.variants}

@@ -45,10 +45,10 @@ def main():
     print(f"  slice + view                {host_us(lambda: out[2:10].view(-1)):7.1f}")
     print(f"  current stream handle       {host_us(lambda: torch.cuda.current_stream().cuda_stream):7.1f}")
     gather = getattr(mod, f"{name}_sum_routes_kernel")
-    launch_us = host_us(lambda: gather[(N,)](permuted, rm.dst_rows, out, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4))
+    launch_us = host_us(lambda: gather[(N,)](permuted, rm.row_map, out, N, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4))
     print(f"  one triton launch (gather)  {launch_us:7.1f}")
-    compiled = gather[(N,)](permuted, rm.dst_rows, out, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4)
-    values = (permuted, rm.dst_rows, out, H, k, 2, 1024)
+    compiled = gather[(N,)](permuted, rm.row_map, out, N, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4)
+    values = (permuted, rm.row_map, out, N, H, k, 2, 1024)
     print(f"  compiled[grid](*args)       {host_us(lambda: compiled[(N, 1, 1)](*values)):7.1f}")
     stream = torch.cuda.current_stream().cuda_stream
     compiled._init_handles()

@@ -73,3 +73,25 @@ def test_row_offsets_past_two_to_the_31_elements():
     assert torch.equal(res.tokens_per_expert, ref_tpe)
     out = mod.unpermute(res.tokens, res.row_id_map, probs)
     torch.testing.assert_close(out, unpermute_ref(res.tokens, routes, N, probs), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["probs_bf16_mask", "probs_pad128_bf16_mask", "probs_bf16_index"])
+def test_permute_repeats_exactly_on_several_streams(name):
+    """permute keeps one launch-counter buffer per stream, which each launch leaves at zero:
+    many calls, interleaved over two streams, must all give the reference result."""
+    mod = importlib.import_module(f"generated.triton.{name}")
+    case = Case("streams", N=3000, H=256, E=64, k=6)
+    tokens, routing, probs, scale = make_inputs(mod.VARIANT, case, "cuda")
+    kw = static_kwargs(mod, case)
+    first = mod.permute(tokens, routing, probs, scale, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    results = []
+    for i in range(40):
+        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+            results.append(mod.permute(tokens, routing, probs, scale, **kw))
+    torch.cuda.synchronize()
+    for res in results:
+        assert torch.equal(res.tokens.view(torch.int16), first.tokens.view(torch.int16))
+        assert torch.equal(res.row_id_map.row_map, first.row_id_map.row_map)
+        assert torch.equal(res.tokens_per_expert, first.tokens_per_expert)
