@@ -138,6 +138,21 @@ def graph_us(fn):
     return bench(graph.replay)
 
 
+def backward_graph_us(setup):
+    """GPU time of a backward pass alone. The forward runs on a side stream, so autograd runs the
+    backward there too, and autograd.grad is captured in a CUDA graph on that stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn = setup()
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return bench(graph.replay)
+
+
 def run_shape(name, N, H, E, k, variants, copy_bw, results):
     for vname in variants:
         mod = __import__(f"generated.triton.{vname}", fromlist=["VARIANT"])
@@ -155,19 +170,24 @@ def run_shape(name, N, H, E, k, variants, copy_bw, results):
 
         # backward passes, through autograd as a training step runs them
         grad_ok = not v["dtype"].startswith("fp8")
-        t_in = tokens.detach().clone().requires_grad_(grad_ok)
-        p_in = probs.detach().clone().requires_grad_()
-        r2 = mod.permute(t_in, routing, p_in, scale, **kw)
-        g_rows = torch.randn(M, H, device="cuda").to(tokens.dtype) if grad_ok else None
-        g_probs = torch.randn(M, device="cuda")
-        outs, ins, gs = ([r2.tokens] if grad_ok else []) + [r2.probs], ([t_in] if grad_ok else []) + [p_in], \
-            ([g_rows] if grad_ok else []) + [g_probs]
-        pbwd = lambda: torch.autograd.grad(outs, ins, gs, retain_graph=True)  # noqa: E731
-        u_in = permuted.detach().clone().requires_grad_()
-        m_in = probs.detach().clone().requires_grad_()
-        u_out = mod.unpermute(u_in, r2.row_id_map, m_in)
+
+        def permute_backward():
+            t_in = tokens.detach().clone().requires_grad_(grad_ok)
+            p_in = probs.detach().clone().requires_grad_()
+            r2 = mod.permute(t_in, routing, p_in, scale, **kw)
+            outs, ins = ([r2.tokens] if grad_ok else []) + [r2.probs], ([t_in] if grad_ok else []) + [p_in]
+            gs = ([torch.randn(M, H, device="cuda").to(tokens.dtype)] if grad_ok else []) + [torch.randn(M, device="cuda")]
+            return lambda: torch.autograd.grad(outs, ins, gs, retain_graph=True)
+
+        def unpermute_backward():
+            u_in = permuted.detach().clone().requires_grad_()
+            m_in = probs.detach().clone().requires_grad_()
+            u_out = mod.unpermute(u_in, res.row_id_map, m_in)
+            g_out = torch.randn(N, H, device="cuda").to(mod.COMBINE_DTYPE)
+            return lambda: torch.autograd.grad(u_out, [u_in, m_in], g_out, retain_graph=True)
+
+        pbwd, ubwd = permute_backward(), unpermute_backward()
         g_out = torch.randn(N, H, device="cuda").to(mod.COMBINE_DTYPE)
-        ubwd = lambda: torch.autograd.grad(u_out, [u_in, m_in], g_out, retain_graph=True)  # noqa: E731
 
         # the PyTorch-native path on the same data
         probs_topk = probs.gather(1, ids) if v["routing"] == "mask" else probs
@@ -188,7 +208,8 @@ def run_shape(name, N, H, E, k, variants, copy_bw, results):
         for op, fn, native in (("permute", fwd, nat_fwd), ("unpermute", unp, nat_unp),
                                ("permute_bwd", pbwd, nat_pbwd), ("unpermute_bwd", ubwd, nat_ubwd)):
             t = bench(fn)
-            t_graph = graph_us(fn) if op in ("permute", "unpermute") else None  # backward: eager only
+            t_graph = (graph_us(fn) if op in ("permute", "unpermute")
+                       else backward_graph_us(permute_backward if op == "permute_bwd" else unpermute_backward))
             tn_us = bench(native)
             nbytes = op_bytes(op, mod, N, H, E, k, M, routing, probs)
             floor_us = nbytes / copy_bw * 1e6
@@ -204,7 +225,7 @@ def run_shape(name, N, H, E, k, variants, copy_bw, results):
                   f"x{row['ratio_to_floor']:.3f} floor  "
                   + (f"graph x{row['graph_ratio_to_floor']:.3f}  " if t_graph is not None else " " * 15)
                   + f"torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)", flush=True)
-        del res, r2, u_out, nat, nat2, nat_u
+        del res, pbwd, ubwd, nat, nat2, nat_u
         torch.cuda.empty_cache()
 
 

@@ -103,7 +103,7 @@ def compile_variant(name):
         seen.add(key)
         for arch in ARCHS:
             compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                                      options={"num_warps": kwargs.get("num_warps", 4)})
+                                      options={name: kwargs[name] for name in ("num_warps", "maxnreg") if name in kwargs})
             assert compiled.asm.get("cubin"), f"{fn.__name__}: no cubin for sm_{arch}"
             assert f"sm_{arch}" in compiled.asm["ptx"], f"{fn.__name__}: PTX is not for sm_{arch}"
     print(f"compiled {name}: {len(seen)} kernel specialisations x sm_{', sm_'.join(map(str, ARCHS))}")

@@ -137,3 +137,31 @@ def check_permute_backward(mod, case, seed):
         torch.testing.assert_close(grads[0], ref_tokens_grad, **SUM_TOL[tokens.dtype])
     if probs is not None:
         assert torch.equal(grads[-1], ref_probs_grad)  # routed back, not summed
+
+
+@pytest.mark.parametrize("used", ["tokens", "probs"])
+@pytest.mark.parametrize("name", [n for n in TRITON_VARIANTS
+                                  if generated.VARIANTS[n]["probs"] and not generated.VARIANTS[n]["dtype"].startswith("fp8")])
+def test_permute_backward_through_one_output(name, used, poisoned_empty):
+    """Only one of permute's outputs feeds the loss: its input gets the right grad, the other none."""
+    mod, case = load(name), CASES[0]
+    v = mod.VARIANT
+    g = torch.Generator().manual_seed(hash((name, used)) % 2**31)
+    tokens, routing, probs, scale = make_inputs(v, case, DEVICE, g)
+    tokens.requires_grad_()
+    probs.requires_grad_()
+    needed = plan_routes(routing, v["routing"], case.E, v["pad"]).num_rows
+    res = mod.permute(tokens, routing, probs, scale, num_experts=case.E, num_out_tokens=needed)
+    routes = plan_routes(routing, v["routing"], case.E, v["pad"])
+    out = res.tokens if used == "tokens" else res.probs
+    grad_out = torch.randn(out.shape, generator=g).to(out.dtype).to(DEVICE)
+    out.backward(grad_out)
+    if used == "tokens":
+        ref_tokens_grad, _ = permute_grads_ref(grad_out, routes, case.N)
+        torch.testing.assert_close(tokens.grad, ref_tokens_grad, **SUM_TOL[tokens.dtype])
+        assert probs.grad is None
+    else:
+        _, ref_probs_grad = permute_grads_ref(torch.zeros(needed, case.H, device=DEVICE), routes, case.N,
+                                              probs.shape, grad_out)
+        assert torch.equal(probs.grad, ref_probs_grad)
+        assert tokens.grad is None
