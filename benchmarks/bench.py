@@ -22,6 +22,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 SHAPES = [  # name, N, H, E, k
@@ -48,16 +49,24 @@ def copy_bandwidth():
 
 
 def reference_bandwidths():
-    """Plain PyTorch data movement with permute's shape of traffic, for context (GB/s, read + written)."""
+    """Data movement with permute's shape of traffic, for context (GB/s, read + written): a write-only
+    memset, permute's row copy without any routing (Triton, each row read once and written to 8
+    expert-sorted rows: the ceiling permute's copy can reach), and PyTorch's broadcast copy."""
+    from copy_patterns import broadcast_kernel, expert_sorted_rows
+
     N, H, k = 16384, 7168, 8
     tokens = torch.randn(N, H, device="cuda").to(torch.bfloat16)
     out = torch.empty(N, k, H, device="cuda", dtype=torch.bfloat16)
     words = out.view(torch.int32)  # PyTorch fills int32 with 16-byte stores, bf16 with 8-byte ones
+    n = out.numel() * 2 + tokens.numel() * 2
     t_fill = bench(lambda: words.zero_()) * 1e-6
-    t_bcast = bench(lambda: out.copy_(tokens[:, None, :].expand(N, k, H))) * 1e-6
-    n = out.numel() * 2
-    return {"write-only memset": round(n / t_fill / 1e9, 1),
-            "1-read-8-writes broadcast copy": round((n + tokens.numel() * 2) / t_bcast / 1e9, 1)}
+    rows = expert_sorted_rows(N, 256, k)
+    t_triton = bench(lambda: broadcast_kernel[(N,)](tokens, rows, out, N, H, K=k, BLOCK_H=1024, MODE=0, STAGES=1,
+                                                    TOKENS=1, num_warps=4)) * 1e-6
+    t_torch = bench(lambda: out.copy_(tokens[:, None, :].expand(N, k, H))) * 1e-6
+    return {"write-only memset": round(out.numel() * 2 / t_fill / 1e9, 1),
+            "Triton 1-read-8-writes broadcast, no routing": round(n / t_triton / 1e9, 1),
+            "PyTorch 1-read-8-writes broadcast copy": round(n / t_torch / 1e9, 1)}
 
 
 def make_inputs(mod, N, H, E, k, seed=0):
@@ -109,22 +118,26 @@ def torch_unpermute(permuted, probs, src_token, N, dst=None):
 
 def op_bytes(op, mod, N, H, E, k, M, routing, probs):
     """Bytes the op must read + write. R = N * k routed rows; M = rows of the permuted tensor
-    (>= R: pad rows and rows past the last segment are written as zeros)."""
+    (>= R: pad rows and rows past the last segment are written as zeros). Prob grads are written
+    for the probs' whole shape ([N, E] for mask routing). fp8 tokens carry no grad, so their
+    permute backward moves prob grads only."""
     tb = torch.empty((), dtype=mod.TOKEN_DTYPE).element_size()
     cb = torch.empty((), dtype=mod.COMBINE_DTYPE).element_size()
     R = N * k
-    row_map = R * 4
+    row_map = R * 4 * (2 if mod.VARIANT["routing"] == "mask" else 1)  # dst rows (+ the experts of mask routing)
     prob_bytes = R * 4 if probs is not None else 0
+    prob_grad_bytes = probs.numel() * 4 if probs is not None else 0
+    token_rows = 0 if mod.VARIANT["dtype"].startswith("fp8") else 1
     scale_row = triton.cdiv(H, 128) * 4 if mod.VARIANT["scale"] == "block128" else 0
     if op == "permute":  # read tokens + routing, write every row (+ probs, scales) and the row map
         return (N * H * tb + routing.numel() * routing.element_size() + M * H * tb
                 + prob_bytes + M * 4 * (probs is not None) + (N + M) * scale_row + row_map)
     if op == "unpermute":  # read the routed rows, probs and map, write tokens
         return R * H * cb + N * H * cb + prob_bytes + row_map
-    if op == "permute_bwd":  # read the routed row grads, write token grads (+ prob grads)
-        return R * H * cb + N * H * cb + row_map + 2 * prob_bytes
+    if op == "permute_bwd":  # read the routed row grads, write token grads; read routed prob grads, write prob grads
+        return token_rows * (R * H * cb + N * H * cb) + row_map + prob_bytes + prob_grad_bytes
     if op == "unpermute_bwd":  # read token grads and routed rows, write every row grad and prob grads
-        return N * H * cb + R * H * cb + M * H * cb + row_map + 2 * prob_bytes
+        return N * H * cb + R * H * cb + M * H * cb + row_map + prob_bytes + prob_grad_bytes
     raise ValueError(op)
 
 

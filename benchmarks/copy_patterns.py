@@ -242,9 +242,9 @@ def main():
                    lambda: gather_kernel[(triton.cdiv(N, tokens_per),)](
                        rows_in, rows, probs, combined, N, H, K=K, BLOCK_H=block, MODE=mode, STAGES=stages,
                        TOKENS=tokens_per, num_warps=warps), gbytes)
-        for regs in (48, 64, 72):
-            report(f"gather mode=0 warps=4 block=1024 maxnreg={regs}",
-                   lambda: gather_kernel[(N,)](rows_in, rows, probs, combined, N, H, K=K, BLOCK_H=1024, MODE=0,
+        for regs, block in ((64, 1024), (64, 2048), (80, 2048), (96, 4096), (128, 4096)):
+            report(f"gather mode=0 warps=4 block={block} maxnreg={regs}",
+                   lambda: gather_kernel[(N,)](rows_in, rows, probs, combined, N, H, K=K, BLOCK_H=block, MODE=0,
                                                STAGES=1, TOKENS=1, num_warps=4, maxnreg=regs), gbytes)
         grad_probs = torch.empty(N, K, device="cuda")
         sbytes = combined.numel() * 2 + 2 * rows_in.numel() * 2

@@ -1,6 +1,7 @@
-"""Sweep the row-copy launch parameters (warps, bytes per warp per step) of one variant.
+"""Sweep the launch parameters of one variant: the row copies' warps and bytes per warp per step,
+or (`routing`) the tokens per routing block.
 
-    python3 benchmarks/sweep.py [variant]        (needs a CUDA GPU)
+    python3 benchmarks/sweep.py [variant] [rows|routing]        (needs a CUDA GPU)
 
 Times are CUDA-graph replays, so they are GPU time only; the floor is the copy bandwidth.
 """
@@ -17,11 +18,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import copy_bandwidth, graph_us, make_inputs, op_bytes  # noqa: E402
 
 
+def sweep_routing_blocks(mod, bw):
+    """permute's time against the tokens per routing block (route slots = tokens * k)."""
+    default = mod._block_tokens
+    for shape, N, H, E, k in [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
+                              ("mixtral", 16384, 4096, 8, 2)]:
+        tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
+        M = N * k + (E * (mod.VARIANT["pad"] - 1) if mod.VARIANT["pad"] else 0)
+        kw = dict(num_experts=E, num_out_tokens=M)
+        if mod.VARIANT["routing"] == "mask":
+            kw["topk"] = k
+        floor = op_bytes("permute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
+        for slots in (128, 256, 512, 1024, 2048):
+            mod._block_tokens = lambda k, slots=slots: max(1, slots // mod._pow2(k))
+            t = graph_us(lambda: mod.permute(tokens, routing, probs, scale, **kw))
+            print(f"{shape:12s} route slots per block={slots:5d}  permute {t:8.1f} us x{t / floor:.3f}", flush=True)
+        mod._block_tokens = default
+
+
 def main():
     name = sys.argv[1] if len(sys.argv) > 1 else "probs_bf16_index"
     mod = __import__(f"generated.triton.{name}", fromlist=["VARIANT"])
     bw = copy_bandwidth()
     print(f"copy {bw / 1e9:.0f} GB/s; {name}")
+    if sys.argv[2:] == ["routing"]:
+        sweep_routing_blocks(mod, bw)
+        return
     for shape, N, H, E, k in [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
                               ("mixtral", 16384, 4096, 8, 2), ("small", 1024, 1024, 16, 2)]:
         tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
