@@ -88,6 +88,17 @@ def broadcast_tma_kernel(src_ptr, dst_rows_ptr, out_desc, hidden, K: tl.constexp
 
 
 @triton.jit
+def scatter_fill_kernel(dst_rows_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """permute's write pattern (k expert-sorted rows per program) with nothing read: constants stored."""
+    token = tl.program_id(0)
+    dst = tl.load(dst_rows_ptr + token * K + tl.arange(0, K)).to(tl.int64)[:, None] * hidden
+    x = tl.full([K, BLOCK_H], 7, out_ptr.dtype.element_ty)
+    for h0 in range(0, hidden, BLOCK_H):
+        c = h0 + tl.arange(0, BLOCK_H)
+        tl.store(out_ptr + dst + c[None, :], x, mask=(c < hidden)[None, :])
+
+
+@triton.jit
 def fill_kernel(out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
     for s in range(STEPS):
@@ -213,6 +224,8 @@ def main():
                    lambda: broadcast_kernel[(triton.cdiv(N, tokens_per),)](
                        tokens, rows, out, N, H, K=K, BLOCK_H=block, MODE=mode, STAGES=stages, TOKENS=tokens_per,
                        num_warps=warps), nbytes)
+        report("scatter fill: the broadcast's writes, nothing read",
+               lambda: scatter_fill_kernel[(N,)](rows, out, H, K=K, BLOCK_H=1024, num_warps=4), out.numel() * 2)
         for regs in (32, 40):
             report(f"broadcast mode=0 warps=4 block=1024 maxnreg={regs}",
                    lambda: broadcast_kernel[(N,)](tokens, rows, out, N, H, K=K, BLOCK_H=1024, MODE=0, STAGES=1,

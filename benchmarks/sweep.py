@@ -31,9 +31,11 @@ def sweep_routing_blocks(mod, bw):
         floor = op_bytes("permute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
         for slots in (128, 256, 512, 1024, 2048):
             mod._block_tokens = lambda k, slots=slots: max(1, slots // mod._pow2(k))
+            mod._routing_launch.cache_clear()
             t = graph_us(lambda: mod.permute(tokens, routing, probs, scale, **kw))
             print(f"{shape:12s} route slots per block={slots:5d}  permute {t:8.1f} us x{t / floor:.3f}", flush=True)
         mod._block_tokens = default
+        mod._routing_launch.cache_clear()
 
 
 def main():
