@@ -99,6 +99,45 @@ def scatter_fill_kernel(dst_rows_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK_H:
 
 
 @triton.jit
+def _grid_barrier(counter_ptr, target, arrive):
+    """Wait until every program of the grid has arrived (the counter reaches target). Needs all
+    programs resident at once; gives up after a bounded spin rather than hang if they are not."""
+    tl.atomic_add(counter_ptr, arrive, sem="release")
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    spins = 0
+    while (seen < target) & (spins < 20000):
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        spins += 1
+
+
+@triton.jit
+def phased_broadcast_kernel(src_ptr, dst_rows_ptr, out_ptr, counter_ptr, num_tokens, hidden, K: tl.constexpr,
+                            BLOCK_H: tl.constexpr, TOKENS: tl.constexpr, WRITE_BARRIER: tl.constexpr):
+    """The broadcast in grid-wide phases: every program reads TOKENS whole rows, all wait, every
+    program writes them (and, with WRITE_BARRIER, all wait again), so that reads and writes reach
+    memory apart rather than mixed."""
+    programs = tl.num_programs(0)
+    col = tl.arange(0, BLOCK_H)
+    slot = tl.arange(0, TOKENS)
+    phase = 0
+    for base in range(0, num_tokens, programs * TOKENS):
+        token = base + tl.program_id(0) * TOKENS + slot
+        ok = token < num_tokens
+        x = tl.load(src_ptr + token.to(tl.int64)[:, None] * hidden + col[None, :],
+                    mask=ok[:, None] & (col < hidden)[None, :])
+        # Arrive only once the rows are in registers: the arrival depends on their values.
+        loaded = (tl.max(tl.max(x, axis=1), axis=0) == 12345.0).to(tl.int32)
+        arrivals = (2 if WRITE_BARRIER else 1) * phase + 1
+        _grid_barrier(counter_ptr, programs * arrivals, 1 + loaded)
+        for j in tl.static_range(K):
+            dst = tl.load(dst_rows_ptr + token * K + j, mask=ok).to(tl.int64)
+            tl.store(out_ptr + dst[:, None] * hidden + col[None, :], x, mask=ok[:, None] & (col < hidden)[None, :])
+        if WRITE_BARRIER:
+            _grid_barrier(counter_ptr, programs * (arrivals + 1), 1)
+        phase += 1
+
+
+@triton.jit
 def fill_kernel(out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
     for s in range(STEPS):
@@ -226,6 +265,24 @@ def main():
                        num_warps=warps), nbytes)
         report("scatter fill: the broadcast's writes, nothing read",
                lambda: scatter_fill_kernel[(N,)](rows, out, H, K=K, BLOCK_H=1024, num_warps=4), out.numel() * 2)
+        reference = torch.empty_like(out)
+        reference[rows.flatten().long()] = tokens.repeat_interleave(K, dim=0)
+        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        for per_sm, tokens_per, warps, write_barrier in [(1, 4, 8, False), (2, 2, 8, False), (2, 4, 8, False),
+                                                         (2, 4, 8, True), (4, 2, 4, False)]:
+            grid = (sms * per_sm,)
+
+            def phased():
+                counter.zero_()
+                phased_broadcast_kernel[grid](tokens, rows, out, counter, N, H, K=K,
+                                              BLOCK_H=triton.next_power_of_2(H), TOKENS=tokens_per,
+                                              WRITE_BARRIER=write_barrier, num_warps=warps)
+            out.zero_()
+            phased()
+            same = torch.equal(out, reference)
+            report(f"phased broadcast {per_sm}/SM tokens={tokens_per} warps={warps} "
+                   f"write barrier={write_barrier} {'ok' if same else 'WRONG'}", phased, nbytes)
+        del reference
         for regs in (32, 40):
             report(f"broadcast mode=0 warps=4 block=1024 maxnreg={regs}",
                    lambda: broadcast_kernel[(N,)](tokens, rows, out, N, H, K=K, BLOCK_H=1024, MODE=0, STAGES=1,
