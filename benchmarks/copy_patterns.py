@@ -17,20 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
+from bench import bench, copy_bandwidth
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # older Triton
     TensorDescriptor = None
 
 
-def bench_us(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
-
 @triton.jit
 def broadcast_kernel(src_ptr, dst_rows_ptr, out_ptr, num_tokens, hidden, K: tl.constexpr, BLOCK_H: tl.constexpr,
-                     MODE: tl.constexpr, STAGES: tl.constexpr, TOKENS: tl.constexpr):
-    """MODE 0: load a chunk, store it k times; 1: prefetch the next chunk first; 2: tl.range pipeliner."""
+                     MODE: tl.constexpr, STAGES: tl.constexpr, TOKENS: tl.constexpr, HINT: tl.constexpr = ""):
+    """MODE 0: load a chunk, store it k times; 1: prefetch the next chunk first; 2: tl.range pipeliner.
+    HINT: the stores' cache modifier."""
     for t in tl.static_range(TOKENS):
         token = tl.program_id(0) * TOKENS + t
         if token < num_tokens:
@@ -43,20 +42,20 @@ def broadcast_kernel(src_ptr, dst_rows_ptr, out_ptr, num_tokens, hidden, K: tl.c
                     nxt = tl.load(src + h0 + col, mask=h0 + col < hidden)
                     c = h0 - BLOCK_H + col
                     tl.store(out_ptr + dst + c[None, :], tl.broadcast_to(x[None, :], (K, BLOCK_H)),
-                             mask=(c < hidden)[None, :])
+                             mask=(c < hidden)[None, :], cache_modifier=HINT)
                     x = nxt
             elif MODE == 2:
                 for h0 in tl.range(0, hidden, BLOCK_H, num_stages=STAGES):
                     c = h0 + col
                     x = tl.load(src + c, mask=c < hidden)
                     tl.store(out_ptr + dst + c[None, :], tl.broadcast_to(x[None, :], (K, BLOCK_H)),
-                             mask=(c < hidden)[None, :])
+                             mask=(c < hidden)[None, :], cache_modifier=HINT)
             else:
                 for h0 in range(0, hidden, BLOCK_H):
                     c = h0 + col
                     x = tl.load(src + c, mask=c < hidden)
                     tl.store(out_ptr + dst + c[None, :], tl.broadcast_to(x[None, :], (K, BLOCK_H)),
-                             mask=(c < hidden)[None, :])
+                             mask=(c < hidden)[None, :], cache_modifier=HINT)
 
 
 @triton.jit
@@ -138,11 +137,12 @@ def phased_broadcast_kernel(src_ptr, dst_rows_ptr, out_ptr, counter_ptr, num_tok
 
 
 @triton.jit
-def fill_kernel(out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+def fill_kernel(out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr, HINT: tl.constexpr = ""):
+    """Write-only: each program stores STEPS blocks of int32 words (HINT: the stores' cache modifier)."""
     base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
     for s in range(STEPS):
         offs = base + s * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + offs, tl.full([BLOCK], 7, tl.int32), mask=offs < n)
+        tl.store(out_ptr + offs, tl.full([BLOCK], 7, tl.int32), mask=offs < n, cache_modifier=HINT)
 
 
 @triton.jit
@@ -231,18 +231,16 @@ def main():
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     print(f"{props.name}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}")
-    src = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 2 / (bench_us(lambda: dst.copy_(src)) * 1e-6)
-    words = dst.view(torch.int32)
-    fill_bw = words.numel() * 4 / (bench_us(lambda: fill_kernel[(triton.cdiv(words.numel(), 4096),)](
+    copy_bw = copy_bandwidth()
+    words = torch.empty(2**29, dtype=torch.int32, device="cuda")
+    fill_bw = words.numel() * 4 / (bench(lambda: fill_kernel[(triton.cdiv(words.numel(), 4096),)](
         words, words.numel(), BLOCK=1024, STEPS=4, num_warps=4)) * 1e-6)
     print(f"copy {copy_bw / 1e9:.0f} GB/s, triton fill {fill_bw / 1e9:.0f} GB/s")
-    del src, dst, words
+    del words
 
     def report(name, fn, nbytes):
         try:
-            us = bench_us(fn)
+            us = bench(fn)
         except Exception as exc:  # a configuration this Triton cannot compile
             print(f"{name:60s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             return

@@ -12,19 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from bench import bench
+from copy_patterns import broadcast_kernel, expert_sorted_rows, fill_kernel
+
 N, H, K = 16384, 7168, 8
-
-
-def bench_us(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-
-
-@triton.jit
-def fill_kernel(out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr, HINT: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
-    for s in range(STEPS):
-        offs = base + s * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + offs, tl.full([BLOCK], 7, tl.int32), mask=offs < n, cache_modifier=HINT)
 
 
 @triton.jit
@@ -33,19 +24,6 @@ def copy_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     for s in range(STEPS):
         offs = base + s * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
-
-
-@triton.jit
-def broadcast_kernel(src_ptr, dst_rows_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK_H: tl.constexpr,
-                     HINT: tl.constexpr):
-    token = tl.program_id(0)
-    dst = tl.load(dst_rows_ptr + token * K + tl.arange(0, K)).to(tl.int64)
-    src = src_ptr + token.to(tl.int64) * hidden
-    for h0 in range(0, hidden, BLOCK_H):
-        col = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(src + col, mask=col < hidden)
-        tl.store(out_ptr + dst[:, None] * hidden + col[None, :], x[None, :] + tl.zeros([K, BLOCK_H], x.dtype),
-                 mask=(col < hidden)[None, :], cache_modifier=HINT)
 
 
 @triton.jit
@@ -74,36 +52,31 @@ def main():
 
     src = torch.empty(write_bytes // 4, dtype=torch.int32, device="cuda").random_()
     flat = out.view(-1)
-    report("torch copy_ (read + write)", bench_us(lambda: flat.copy_(src)), 2 * write_bytes)
-    report("torch fill_ (write only)", bench_us(lambda: out.fill_(3)), write_bytes)
-    report("torch zero_ (memset)", bench_us(lambda: out.zero_()), write_bytes)
+    report("torch copy_ (read + write)", bench(lambda: flat.copy_(src)), 2 * write_bytes)
+    report("torch fill_ (write only)", bench(lambda: out.fill_(3)), write_bytes)
+    report("torch zero_ (memset)", bench(lambda: out.zero_()), write_bytes)
     n = flat.numel()
     for block, steps, warps in [(1024, 4, 4), (2048, 8, 8), (4096, 4, 8), (512, 16, 4)]:
         grid = (triton.cdiv(n, block * steps),)
         report(f"triton copy block={block} steps={steps} warps={warps}",
-               bench_us(lambda: copy_kernel[grid](src, flat, n, BLOCK=block, STEPS=steps, num_warps=warps)), 2 * write_bytes)
+               bench(lambda: copy_kernel[grid](src, flat, n, BLOCK=block, STEPS=steps, num_warps=warps)), 2 * write_bytes)
         for hint in ("", ".cs", ".cg", ".wt"):
             report(f"triton fill block={block} steps={steps} warps={warps} hint={hint or 'none'}",
-                   bench_us(lambda: fill_kernel[grid](flat, n, BLOCK=block, STEPS=steps, HINT=hint, num_warps=warps)),
+                   bench(lambda: fill_kernel[grid](flat, n, BLOCK=block, STEPS=steps, HINT=hint, num_warps=warps)),
                    write_bytes)
 
     contiguous = torch.arange(N * K, dtype=torch.int32, device="cuda").view(N, K)
     scattered = torch.randperm(N * K, device="cuda").to(torch.int32).view(N, K)
-    # Expert-sorted rows, as permute writes them: route (t, j) to expert e goes after earlier tokens of e.
-    experts = torch.rand(N, 256, device="cuda").topk(K, dim=1).indices
-    order = experts.flatten().argsort(stable=True)
-    sorted_rows = torch.empty(N * K, dtype=torch.int32, device="cuda")
-    sorted_rows[order] = torch.arange(N * K, dtype=torch.int32, device="cuda")
-    sorted_rows = sorted_rows.view(N, K)
+    sorted_rows = expert_sorted_rows(N, 256, K)  # as permute writes them
     for name, rows in [("contiguous", contiguous), ("expert-sorted", sorted_rows), ("random", scattered)]:
         for block_h, warps in [(512, 4), (1024, 8), (256, 2)]:
             for hint in ("", ".cs"):
                 report(f"triton broadcast 1->8 {name} BLOCK_H={block_h} warps={warps} hint={hint or 'none'}",
-                       bench_us(lambda: broadcast_kernel[(N,)](tokens, rows, out, words, K=K, BLOCK_H=block_h,
-                                                               HINT=hint, num_warps=warps)), total)
+                       bench(lambda: broadcast_kernel[(N,)](tokens, rows, out, N, words, K=K, BLOCK_H=block_h, MODE=0,
+                                                            STAGES=1, TOKENS=1, HINT=hint, num_warps=warps)), total)
         for warps in (4, 8, 16):
             report(f"triton broadcast 1->8 {name} row in registers warps={warps}",
-                   bench_us(lambda: broadcast_rowwise_kernel[(N,)](tokens, rows, out, words, K=K,
+                   bench(lambda: broadcast_rowwise_kernel[(N,)](tokens, rows, out, words, K=K,
                                                                    BLOCK_H=triton.next_power_of_2(words),
                                                                    num_warps=warps)), total)
 
