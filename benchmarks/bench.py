@@ -86,6 +86,17 @@ def make_inputs(mod, N, H, E, k, seed=0):
     return tokens, routing, probs, scale, ids
 
 
+def permute_kwargs(mod, N, E, k, rows=None):
+    """(M, permute's keyword arguments) for a benchmark call. num_out_tokens = M, by default a static
+    row cap that fits every padded layout, so permute does not synchronise with the host."""
+    pad = mod.VARIANT["pad"]
+    M = rows if rows is not None else N * k + (E * (pad - 1) if pad else 0)
+    kw = dict(num_experts=E, num_out_tokens=M)
+    if mod.VARIANT["routing"] == "mask":
+        kw["topk"] = k
+    return M, kw
+
+
 # ---- the PyTorch-native path (as a non-fused Megatron dispatcher does it) ----------------------
 
 def torch_permute(tokens, ids, probs_topk, num_experts, pad):
@@ -172,10 +183,7 @@ def run_shape(name, N, H, E, k, variants, copy_bw, results):
         v = mod.VARIANT
         tokens, routing, probs, scale, ids = make_inputs(mod, N, H, E, k)
         pad = v["pad"]
-        M = N * k + (E * (pad - 1) if pad else 0)  # a static row cap that fits every padded layout
-        kw = dict(num_experts=E, num_out_tokens=M)
-        if v["routing"] == "mask":
-            kw["topk"] = k
+        M, kw = permute_kwargs(mod, N, E, k)
         fwd = lambda: mod.permute(tokens, routing, probs, scale, **kw)  # noqa: E731
         res = fwd()
         permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
@@ -249,10 +257,8 @@ def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
     if grad:
         tokens.requires_grad_(tokens.is_floating_point() and tokens.element_size() > 1)
         probs.requires_grad_()
-    kw = dict(num_experts=E, num_out_tokens=N * k)
-    if mod.VARIANT["routing"] == "mask":
-        kw["topk"] = k
-    permuted = torch.randn(N * k, H, device="cuda").to(mod.COMBINE_DTYPE).requires_grad_(grad)
+    M, kw = permute_kwargs(mod, N, E, k, rows=N * k)
+    permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE).requires_grad_(grad)
     for _ in range(20):
         mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
     torch.cuda.synchronize()
@@ -277,9 +283,7 @@ def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
 def bookkeeping(mod, N, H, E, k):
     """Bytes permute keeps for unpermute / backward beyond its outputs, vs a dense [N, 2E+1] map."""
     tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
-    kw = dict(num_experts=E, num_out_tokens=N * k + (E * (mod.VARIANT["pad"] - 1) if mod.VARIANT["pad"] else 0))
-    if mod.VARIANT["routing"] == "mask":
-        kw["topk"] = k
+    _, kw = permute_kwargs(mod, N, E, k)
     rm = mod.permute(tokens, routing, probs, scale, **kw).row_id_map
     # The row map: dst rows, compacted experts (mask routing; index routing keeps the user's ids)
     # and the segment table. The routing scratch is one reused buffer per stream, not per call.

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import make_inputs  # noqa: E402
+from bench import make_inputs, permute_kwargs  # noqa: E402
 
 
 def host_us(fn, calls=2000):
@@ -32,11 +32,9 @@ def main():
     mod = __import__(f"generated.triton.{name}", fromlist=["VARIANT"])
     N, H, E, k = 1024, 1024, 16, 2
     tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
-    kw = dict(num_experts=E, num_out_tokens=N * k)
-    if mod.VARIANT["routing"] == "mask":
-        kw["topk"] = k
+    M, kw = permute_kwargs(mod, N, E, k, rows=N * k)
     res = mod.permute(tokens, routing, probs, scale, **kw)
-    permuted = torch.randn(N * k, H, device="cuda").to(mod.COMBINE_DTYPE)
+    permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
     out = torch.empty(N, H, device="cuda", dtype=mod.COMBINE_DTYPE)
     rm = res.row_id_map
     print(f"host us per call, {name}, N={N} H={H} E={E} k={k}")
@@ -73,9 +71,7 @@ def main():
     # GPU time per kernel at a large shape
     N, H, E, k = 16384, 7168, 256, 8
     tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
-    kw = dict(num_experts=E, num_out_tokens=N * k + (E * mod.VARIANT["pad"]))
-    if mod.VARIANT["routing"] == "mask":
-        kw["topk"] = k
+    _, kw = permute_kwargs(mod, N, E, k)
     for _ in range(3):
         mod.permute(tokens, routing, probs, scale, **kw)
     torch.cuda.synchronize()

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import copy_bandwidth, graph_us, make_inputs, op_bytes  # noqa: E402
+from bench import copy_bandwidth, graph_us, make_inputs, op_bytes, permute_kwargs  # noqa: E402
 
 
 def sweep_routing_blocks(mod, bw):
@@ -24,10 +24,7 @@ def sweep_routing_blocks(mod, bw):
     for shape, N, H, E, k in [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
                               ("mixtral", 16384, 4096, 8, 2)]:
         tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
-        M = N * k + (E * (mod.VARIANT["pad"] - 1) if mod.VARIANT["pad"] else 0)
-        kw = dict(num_experts=E, num_out_tokens=M)
-        if mod.VARIANT["routing"] == "mask":
-            kw["topk"] = k
+        M, kw = permute_kwargs(mod, N, E, k)
         floor = op_bytes("permute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
         for slots in (128, 256, 512, 1024, 2048):
             mod._block_tokens = lambda k, slots=slots: max(1, slots // mod._pow2(k))
@@ -49,10 +46,7 @@ def main():
     for shape, N, H, E, k in [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
                               ("mixtral", 16384, 4096, 8, 2), ("small", 1024, 1024, 16, 2)]:
         tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
-        M = N * k + (E * (mod.VARIANT["pad"] - 1) if mod.VARIANT["pad"] else 0)
-        kw = dict(num_experts=E, num_out_tokens=M)
-        if mod.VARIANT["routing"] == "mask":
-            kw["topk"] = k
+        M, kw = permute_kwargs(mod, N, E, k)
         permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
         for warps, row_bytes in itertools.product((4, 8, 16), (256, 512, 1024)):
             mod._NUM_WARPS, mod._ROW_BYTES_PER_WARP = warps, row_bytes
