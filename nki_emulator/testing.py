@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -42,6 +43,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+@contextlib.contextmanager
+def nki_modules_restored():
+    """Put sys.modules' `nki` entries back as they were on leaving: install() replaces them."""
+    saved = {k: sys.modules.get(k) for k in NKI_MODULE_NAMES}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
 _cache: dict = {}
 
 
@@ -51,18 +66,11 @@ def load_variant(name: str, backend: str):
         return _cache[(name, backend)]
     if backend == "emulator" and REAL_NKI:
         # Import a private copy of the module while the emulator stands in for `nki`.
-        saved = {k: sys.modules.get(k) for k in NKI_MODULE_NAMES}
-        install(force=True)
-        try:
+        with nki_modules_restored():
+            install(force=True)
             spec = importlib.util.spec_from_file_location(f"_emulated_{name}", ROOT / "generated" / "nki" / f"{name}.py")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    sys.modules.pop(k, None)
-                else:
-                    sys.modules[k] = v
     else:
         if backend == "emulator":
             install()

@@ -13,6 +13,7 @@ import nki_emulator
 from nki_emulator import EmulatorError, jit, simulate
 from nki_emulator import isa as nisa
 from nki_emulator import language as nl
+from nki_emulator.testing import nki_modules_restored
 
 
 def run(body, *arrays):
@@ -37,8 +38,7 @@ def test_round_trip_and_simulate_signature():
 
 
 def test_install_registers_modules_only_without_real_nki():
-    saved = {k: sys.modules.get(k) for k in ("nki", "nki.language", "nki.isa", "nki.collectives")}
-    try:
+    with nki_modules_restored():
         installed = nki_emulator.install()
         assert installed == (not nki_emulator.real_nki_available() or getattr(sys.modules.get("nki"), "__nki_emulator__", False))
         if installed:
@@ -46,12 +46,6 @@ def test_install_registers_modules_only_without_real_nki():
             import nki.isa
             import nki.language
             assert nki.language is nl and nki.isa is nisa and nki.__nki_emulator__
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
 
 
 # --- tile limits ---------------------------------------------------------------------------
