@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU build this project is tested with; the suite needs no GPU.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: generate check list test test-gpu bench clean
+.PHONY: generate check list test install-system test-gpu bench clean
 
 $(VENV)/.generator-deps:
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -33,11 +33,15 @@ test: $(VENV)/.test-deps
 	$(PY) -m generator check
 	$(PY) -m pytest -q -n 2 tests
 
-# On the GPU machine: the same suite, kernels running natively on the GPU.
-test-gpu:
+# On the GPU machine: the same suite, kernels running natively on the GPU (torch, triton, numpy,
+# ml_dtypes, pytest, hypothesis preinstalled; the editable install needs no network).
+install-system:
+	$(PYTHON_SYS) -m pip install -q --no-deps --no-build-isolation -e .
+
+test-gpu: install-system
 	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n 8 tests
 
-bench:
+bench: install-system
 	$(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 
 clean:

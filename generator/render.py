@@ -16,29 +16,13 @@ from pathlib import Path
 
 import jinja2
 
-from .spec import AXES, BUILTIN_DEFAULTS, DTYPES, FP8_DTYPES, MAX_PAD, ROUTINGS, TARGETS, Variant
-from .spec import SCALES as SCALE_KINDS
+from permgen.contract import FP8_DTYPES, SCALE_FORMATS, TOKEN_DTYPE_NAMES
+
+from .spec import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "templates"
 GENERATED = ROOT / "generated"
-
-# What each spec dtype means to the target code.
-TORCH_DTYPES = {
-    "bf16": "torch.bfloat16",
-    "fp16": "torch.float16",
-    "fp32": "torch.float32",
-    "fp8_e4m3": "torch.float8_e4m3fn",
-    "fp8_e5m2": "torch.float8_e5m2",
-}
-# permute moves rows bitwise, as unsigned words of the token's width.
-WORD_DTYPES = {"bf16": "torch.int16", "fp16": "torch.int16", "fp32": "torch.int32",
-               "fp8_e4m3": "torch.uint8", "fp8_e5m2": "torch.uint8"}
-ITEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
-SCALES = {  # scale kind -> (columns per scale, torch dtype, word dtype for bitwise moves)
-    "block128": (128, "torch.float32", "torch.int32"),
-    "mx32": (32, "torch.uint8", "torch.uint8"),
-}
 
 MODULE_TEMPLATES = {"triton": "triton/module.py.jinja", "nki": "nki/module.py.jinja"}
 REGISTRY_TEMPLATE = "registry.py.jinja"
@@ -63,22 +47,18 @@ def make_environment() -> jinja2.Environment:
 
 
 def template_context(variant: Variant) -> dict:
-    """Facts the templates need about one variant: the axes plus what each dtype means."""
-    is_fp8 = variant.dtype in FP8_DTYPES
+    """Facts the templates need about one variant: the axes plus what its dtypes mean
+    (from permgen.contract, the tables the runtime checks against)."""
     ctx = dict(variant.axes())
     ctx.update(
         variant_literal=repr(variant.axes()),  # a Python dict literal, in axis order
-        is_fp8=is_fp8,
+        is_fp8=variant.dtype in FP8_DTYPES,
         has_scale=variant.scale != "none",
-        torch_dtype=TORCH_DTYPES[variant.dtype],
-        word_dtype=WORD_DTYPES[variant.dtype],
-        item_bytes=ITEM_BYTES[variant.dtype],
-        # fp8 variants combine the experts' bf16 outputs; the others combine in the token dtype.
-        combine_torch_dtype="torch.bfloat16" if is_fp8 else TORCH_DTYPES[variant.dtype],
+        token_dtype_name=TOKEN_DTYPE_NAMES[variant.dtype],
     )
     if variant.scale != "none":
-        cols, dtype, word = SCALES[variant.scale]
-        ctx.update(scale_cols=cols, scale_torch_dtype=dtype, scale_word_dtype=word)
+        cols, dtype_name = SCALE_FORMATS[variant.scale]
+        ctx.update(scale_cols=cols, scale_dtype_name=dtype_name)
     return ctx
 
 
@@ -102,18 +82,8 @@ def _digest(data, template_name: str) -> str:
 
 
 def registry_context(variants: list[Variant]) -> dict:
-    """What the registry template needs: the variants and the spec's axis values (from spec.py)."""
-    axes = [a for a in AXES if a != "targets"]
-    defaults = {a: BUILTIN_DEFAULTS[a] for a in axes if a in BUILTIN_DEFAULTS}
-    return dict(
-        variants=[v.axes() for v in variants],
-        axes_literal=repr(tuple(axes)),
-        defaults_literal=repr(defaults),
-        choices_literal=repr({"dtype": DTYPES, "routing": ROUTINGS, "scale": SCALE_KINDS}),
-        fp8_dtypes_literal=repr(FP8_DTYPES),
-        targets_literal=repr(TARGETS),
-        max_pad=MAX_PAD,
-    )
+    """What the registry template needs: the variants."""
+    return dict(variants=[v.axes() for v in variants])
 
 
 def fingerprint(variant: Variant, template_bytes: bytes) -> str:

@@ -11,17 +11,11 @@ import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
-FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
-ROUTINGS = ("mask", "index")
-SCALES = ("none", "block128", "mx32")
-TARGETS = ("triton", "nki")
-MAX_PAD = 256
+from permgen.contract import AXES, DTYPES, FP8_DTYPES, MAX_PAD, ROUTINGS, SCALES, TARGETS
+from permgen.contract import AXIS_DEFAULTS as BUILTIN_DEFAULTS
+from permgen.contract import variant_name as _name_of
 
-AXES = ("dtype", "routing", "probs", "scale", "pad", "targets")
 ALLOWED_KEYS = frozenset(AXES) | {"name"}
-# Values every variant gets unless it or [defaults] says otherwise.
-BUILTIN_DEFAULTS = {"probs": True, "scale": "none", "pad": 0, "targets": list(TARGETS)}
 
 _SAFE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -51,17 +45,8 @@ class Variant:
 
 
 def variant_name(v: Variant) -> str:
-    """One fixed rule: [probs_][pad<P>_]<dtype>[_<scale>]_<routing>, e.g. probs_pad128_fp8e4m3_block128_mask."""
-    parts = []
-    if v.probs:
-        parts.append("probs")
-    if v.pad:
-        parts.append(f"pad{v.pad}")
-    parts.append(v.dtype.replace("_", ""))
-    if v.scale != "none":
-        parts.append(v.scale)
-    parts.append(v.routing)
-    return "_".join(parts)
+    """One fixed rule (permgen.contract.variant_name), e.g. probs_pad128_fp8e4m3_block128_mask."""
+    return _name_of(asdict(v))
 
 
 def _fail(path, where: str, key: str | None, message: str):

@@ -1,0 +1,227 @@
+"""The contract every variant keeps on every target: the spec's axis values, what each dtype and
+scale means, and the argument checks of the public functions.
+
+The spec validation (generator/), both targets' host code and the tests read these tables; the
+checks raise the same exception with the same words whichever target runs the variant. This
+module imports nothing at load time, so the generator can use it without torch installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# ---------------------------------------------------------------------------------------------
+# The spec's axes and what their values mean
+# ---------------------------------------------------------------------------------------------
+
+DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+ROUTINGS = ("mask", "index")
+SCALES = ("none", "block128", "mx32")
+TARGETS = ("triton", "nki")
+MAX_PAD = 256
+AXES = ("dtype", "routing", "probs", "scale", "pad", "targets")
+# Values every variant gets unless it or [defaults] says otherwise.
+AXIS_DEFAULTS = {"probs": True, "scale": "none", "pad": 0, "targets": list(TARGETS)}
+
+# The torch dtype (by attribute name) of each token dtype, and how many bytes an element has.
+TOKEN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                     "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+ITEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# scale kind -> (token columns per scale, torch dtype name of the scales)
+SCALE_FORMATS = {"block128": (128, "float32"), "mx32": (32, "uint8")}
+PROB_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Row numbers and route counts are int32 on every target.
+MAX_ROWS = 2**31 - 1
+
+
+def variant_name(axes: dict) -> str:
+    """One fixed rule: [probs_][pad<P>_]<dtype>[_<scale>]_<routing>, e.g. probs_pad128_fp8e4m3_block128_mask."""
+    parts = ["probs"] if axes["probs"] else []
+    if axes["pad"]:
+        parts.append(f"pad{axes['pad']}")
+    parts.append(axes["dtype"].replace("_", ""))
+    if axes["scale"] != "none":
+        parts.append(axes["scale"])
+    parts.append(axes["routing"])
+    return "_".join(parts)
+
+
+def combine_dtype_name(variant: dict) -> str:
+    """unpermute's input and output dtype: the experts' outputs (bf16 for fp8 variants)."""
+    return "bfloat16" if variant["dtype"] in FP8_DTYPES else TOKEN_DTYPE_NAMES[variant["dtype"]]
+
+
+def scale_columns(variant: dict, hidden: int) -> int:
+    cols, _ = SCALE_FORMATS[variant["scale"]]
+    return -(-hidden // cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (shared by both targets)
+# ---------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch
+    return torch
+
+
+@dataclass(frozen=True)
+class PermutePlan:
+    """permute's sizes once its arguments are checked."""
+
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    width: int  # route slots per token in the row map: k (index), topk or E (mask)
+    num_out_tokens: Optional[int]  # the row cap, or None: as many rows as the routes need
+    check_routing: bool  # verify the routing values (one host sync)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_tensor(variant: dict, name: str, t, shape, dtypes, device):
+    """Raise a TypeError / ValueError that says what tensor `name` should have been.
+
+    shape: a tuple of sizes (None = any); dtypes: torch dtypes; device: the tokens' device, or None."""
+    torch = _torch()
+    if (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == len(shape)
+            and all(want is None or want == got for want, got in zip(shape, t.shape))
+            and (device is None or t.device == device) and t.is_contiguous()):
+        return  # the common case, checked in one expression: this runs on every call
+    where = variant["name"]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{where}: {name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{where}: {name} must have shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{where}: {name} is on {t.device}, expected {device} (the tokens' device)")
+    raise ValueError(f"{where}: {name} must be contiguous; call .contiguous() first")
+
+
+def token_dtype(variant: dict):
+    return getattr(_torch(), TOKEN_DTYPE_NAMES[variant["dtype"]])
+
+
+def combine_dtype(variant: dict):
+    return getattr(_torch(), combine_dtype_name(variant))
+
+
+def prob_dtypes():
+    torch = _torch()
+    return tuple(getattr(torch, n) for n in PROB_DTYPE_NAMES)
+
+
+def scale_dtype(variant: dict):
+    return getattr(_torch(), SCALE_FORMATS[variant["scale"]][1])
+
+
+def prob_columns_name(variant: dict) -> str:
+    return "E" if variant["routing"] == "mask" else "k"
+
+
+def check_permute(variant: dict, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
+                  check_routing) -> PermutePlan:
+    """Check permute's arguments against the variant; return its sizes."""
+    torch = _torch()
+    where = variant["name"]
+    check_tensor(variant, "tokens", tokens, (None, None), (token_dtype(variant),), None)
+    num_tokens, hidden = tokens.shape
+    device = tokens.device
+    if variant["routing"] == "mask":
+        if not isinstance(routing, torch.Tensor) or routing.is_floating_point() or routing.is_complex():
+            got = getattr(routing, "dtype", type(routing).__name__)
+            raise TypeError(f"{where}: routing must be a bool or integer [N, E] mask tensor, got {got}")
+        check_tensor(variant, "routing", routing, (num_tokens, None), (routing.dtype,), device)
+        if num_experts is not None and num_experts != routing.shape[1]:
+            raise ValueError(f"{where}: num_experts={num_experts} but the routing mask has {routing.shape[1]} columns")
+        num_experts = routing.shape[1]
+    else:
+        check_tensor(variant, "routing", routing, (num_tokens, None), (torch.int32, torch.int64), device)
+        if num_experts is None:
+            raise ValueError(f"{where}: index routing needs num_experts")
+    if not _is_int(num_experts) or num_experts < 1:
+        raise ValueError(f"{where}: num_experts must be a positive int, got {num_experts!r}")
+    if num_out_tokens is not None and (not _is_int(num_out_tokens) or not 0 <= num_out_tokens < MAX_ROWS):
+        raise ValueError(f"{where}: num_out_tokens must be an int in [0, 2**31 - 1), got {num_out_tokens!r}")
+    if topk is not None and (not _is_int(topk) or topk < 1):
+        raise ValueError(f"{where}: topk must be a positive int, got {topk!r}")
+    if variant["probs"]:
+        if probs is None:
+            raise ValueError(f"{where}: this variant permutes probs; pass probs [N, {prob_columns_name(variant)}]")
+        check_tensor(variant, "probs", probs, (num_tokens, routing.shape[1]), prob_dtypes(), device)
+    elif probs is not None:
+        raise ValueError(f"{where}: this variant has no probs; use a variant with probs = true")
+    if variant["scale"] != "none":
+        cols, _ = SCALE_FORMATS[variant["scale"]]
+        if scale is None:
+            raise ValueError(f"{where}: this variant moves {variant['scale']} scales; pass scale [N, ceil(H / {cols})]")
+        check_tensor(variant, "scale", scale, (num_tokens, scale_columns(variant, hidden)), (scale_dtype(variant),),
+                     device)
+    elif scale is not None:
+        raise ValueError(f"{where}: this variant moves no scales; use a variant with an fp8 scale")
+    if check_routing is not None and not isinstance(check_routing, bool):
+        raise TypeError(f"{where}: check_routing must be True, False or None, got {check_routing!r}")
+
+    if variant["routing"] == "mask":
+        # The row map keeps topk slots per token when the caller knows the most routes of any
+        # token, else one per expert; kernels visit each token's live routes either way.
+        width = topk if topk is not None else num_experts
+        if width > num_experts:
+            raise ValueError(f"{where}: topk={topk} is more than the {num_experts} experts")
+    else:
+        width = routing.shape[1]
+        if width < 1:
+            raise ValueError(f"{where}: routing must have at least one column")
+        if topk is not None and topk != width:
+            raise ValueError(f"{where}: topk={topk} but index routing has {width} columns")
+    if num_tokens * width >= MAX_ROWS:
+        raise ValueError(f"{where}: N * k = {num_tokens * width} routes; at most 2**31 - 2 are supported")
+    check = check_routing if check_routing is not None else num_out_tokens is None
+    return PermutePlan(num_tokens, hidden, num_experts, width, num_out_tokens, check)
+
+
+def routing_error(variant: dict, routing, num_experts: int, width: int) -> Optional[str]:
+    """What is wrong with the routing values, or None (reads them: one host sync)."""
+    if routing.numel() == 0:
+        return None
+    if variant["routing"] == "mask":
+        routes = int((routing != 0).sum(1).max())
+        if routes > width:
+            return f"a token is routed to {routes} experts, more than topk={width}"
+        return None
+    low, high = int(routing.min()), int(routing.max())
+    if low < -1 or high >= num_experts:
+        return f"expert ids must be in [0, {num_experts}) or -1 for no route; found ids in [{low}, {high}]"
+    return None
+
+
+def check_unpermute(variant: dict, permuted, row_id_map, merging_probs, restore_shape, row_map_type):
+    """Check unpermute's arguments against the variant and the row map permute returned."""
+    where = variant["name"]
+    if not isinstance(row_id_map, row_map_type):
+        raise TypeError(f"{where}: row_id_map must be the RowIdMap from this module's permute, "
+                        f"got {type(row_id_map).__name__}")
+    if row_id_map.variant != variant["name"]:
+        raise ValueError(f"{where}: row_id_map comes from variant {row_id_map.variant}'s permute")
+    num_tokens = row_id_map.num_tokens
+    device = row_id_map.row_map.device
+    check_tensor(variant, "permuted", permuted, (row_id_map.num_rows, None), (combine_dtype(variant),), device)
+    if restore_shape is not None:
+        if not isinstance(restore_shape, (tuple, list)) and type(restore_shape).__name__ != "Size":
+            raise TypeError(f"{where}: restore_shape must be a sequence (N, H), got {restore_shape!r}")
+        if tuple(restore_shape) != (num_tokens, permuted.shape[1]):
+            raise ValueError(f"{where}: restore_shape {tuple(restore_shape)} does not match the row map's "
+                             f"{num_tokens} tokens and hidden size {permuted.shape[1]}")
+    if variant["probs"]:
+        if merging_probs is not None:
+            check_tensor(variant, "merging_probs", merging_probs, (num_tokens, row_id_map.routing.shape[1]),
+                         prob_dtypes(), device)
+    elif merging_probs is not None:
+        raise ValueError(f"{where}: this variant has no probs; use a variant with probs = true")

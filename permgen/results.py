@@ -1,0 +1,95 @@
+"""What permute returns, the same type on every target."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class RowIdMap(NamedTuple):
+    """What permute leaves for unpermute and the backward passes: O(N*k + E) int32 words.
+
+    `row_map` is one int32 tensor, laid out the same on every target:
+
+        dst rows        [N, W]  row of each route, -1 where it lands nowhere (no route, or dropped)
+        experts         [N, W]  mask routing only: the token's experts in ascending order
+        route counts    [N]     mask routing only: routes of each token, which fill its first
+                                slots; the slots after them are never written nor read
+        segment offsets [E + 1] first row of each expert's segment; [E] = rows in use
+        segment counts  [E]     routed (non-pad) rows at the start of each segment
+
+    W is the routing's k for index routing; for mask routing it is permute's `topk` hint, or E.
+    """
+
+    row_map: torch.Tensor
+    routing: torch.Tensor  # the routing permute was given (index routing: the experts of each slot)
+    num_tokens: int
+    width: int  # W, route slots per token
+    num_experts: int
+    num_rows: int  # rows of the permuted tensor
+    variant: str  # name of the variant whose permute made it
+
+    def _part(self, begin, length):
+        return self.row_map[begin:begin + length]
+
+    def _route_words(self):
+        """Words before the segment table."""
+        routes = self.num_tokens * self.width
+        return 2 * routes + self.num_tokens if self.is_mask else routes
+
+    @property
+    def is_mask(self) -> bool:
+        return self.variant.endswith("_mask")
+
+    @property
+    def dst_rows(self) -> torch.Tensor:
+        """int32 [N, W]: row of each route, -1 where the route lands nowhere."""
+        return self._part(0, self.num_tokens * self.width).view(self.num_tokens, self.width)
+
+    @property
+    def experts(self) -> torch.Tensor:
+        """[N, W]: expert of each route slot (mask routing: compacted from the mask; see route_counts)."""
+        if not self.is_mask:
+            return self.routing
+        routes = self.num_tokens * self.width
+        return self._part(routes, routes).view(self.num_tokens, self.width)
+
+    @property
+    def route_counts(self) -> Optional[torch.Tensor]:
+        """int32 [N]: live routes of each token (mask routing), else None (every token has W slots)."""
+        if not self.is_mask:
+            return None
+        return self._part(2 * self.num_tokens * self.width, self.num_tokens)
+
+    @property
+    def segment_offsets(self) -> torch.Tensor:
+        """int32 [E + 1]: first row of each expert's segment; [E] = rows in use."""
+        return self._part(self._route_words(), self.num_experts + 1)
+
+    @property
+    def segment_counts(self) -> torch.Tensor:
+        """int32 [E]: routed (non-pad) rows at the start of each segment."""
+        return self._part(self._route_words() + self.num_experts + 1, self.num_experts)
+
+    def rows_by_column(self) -> torch.Tensor:
+        """int64 [N, columns of the routing]: the row of route (token, column), -1 where none lands.
+
+        Columns are the routing's: slots for index routing, experts for mask routing (the probs'
+        layout). For inspection and tests; the kernels read the compact form."""
+        dst = self.dst_rows.long()
+        if not self.is_mask:
+            return dst
+        dense = torch.full((self.num_tokens, self.num_experts + 1), -1, dtype=torch.long, device=dst.device)
+        slot = torch.arange(self.width, device=dst.device)
+        live = slot[None, :] < self.route_counts.long()[:, None]
+        dense.scatter_(1, torch.where(live, self.experts.long(), self.num_experts), torch.where(live, dst, -1))
+        return dense[:, :self.num_experts]
+
+
+class PermuteResult(NamedTuple):
+    tokens: torch.Tensor  # [M, H] in the variant's token dtype, expert-major
+    probs: Optional[torch.Tensor]  # [M]: each row's router prob, or None (variant without probs)
+    scale: Optional[torch.Tensor]  # [M, S]: each row's scales, or None (variant without scales)
+    row_id_map: RowIdMap
+    tokens_per_expert: torch.Tensor  # int64 [E] on the device: rows of each segment, padding included

@@ -1,0 +1,299 @@
+"""The Triton target's host side, written once for every variant: allocation and launches.
+
+A generated module hands its kernels to `TritonBackend`; `permgen.ops` checks arguments and adds
+autograd on top. Launch geometry (route tiles, row blocks, register caps) lives here as tuning
+numbers; what a variant specialises is in its kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+from triton import knobs
+from triton.compiler import CompiledKernel
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+from .contract import FP8_DTYPES, token_dtype
+from .results import RowIdMap
+
+_NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
+_ROW_BYTES_PER_WARP = 512  # 16-byte vectors for each of 32 lanes per step of a row loop
+_NUM_WARPS = 4
+# Gathers and scatters hold a tile of route rows in fp32 (80-105 registers uncapped); capped at
+# 64, 8 programs of 4 warps fit on an SM instead of 4-6 (mask-routing unpermute backward: 1.19 -> 1.07).
+_MAX_REGISTERS = 64
+_ROUTE_WARPS = 8
+# Mask routing visits a token's live routes this many at a time: the k of common MoE layers fits
+# one step, and the row map's width (topk or E) does not change the kernels' work.
+_MAX_ROUTE_TILE = 8
+_PAD_ROWS_PER_PROGRAM = 16
+_TAIL_ROWS_PER_PROGRAM = 64  # rows past the last segment are zeroed by up to M / 64 programs
+
+
+class TritonKernels(NamedTuple):
+    """One variant's kernels (the probs kernels only in variants with probs)."""
+
+    route: JITFunction
+    permute: JITFunction
+    sum_routes: JITFunction
+    scatter_routes: JITFunction
+    unpermute: Optional[JITFunction] = None
+    permute_backward: Optional[JITFunction] = None
+    unpermute_backward: Optional[JITFunction] = None
+
+
+def _pow2(n):
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+_COMPILED = {}  # launch key (see _launch) -> (compiled kernel, launcher, handle, metadata, constexpr values)
+
+
+def _launch_key(a):
+    """What Triton specialises an argument on."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if a is None:
+        return None
+    return a == 1, a & 15 == 0, a >> 31 == 0
+
+
+def _launch(kernel, programs, *args, **meta):
+    """kernel[(programs,)](*args, **meta), at a fraction of the host cost once compiled.
+
+    Triton's generic launch binds and specialises every argument on every call, which costs more
+    host time than the launch itself. The key here holds what Triton specialises on: tensor dtypes
+    and 16-byte alignment, None, and for ints whether they are 1, divisible by 16 and fit in 32
+    bits. A compiled kernel is then started through its launcher directly, unless a launch hook
+    (a profiler) is installed."""
+    if not isinstance(kernel, JITFunction):  # the CPU interpreter
+        kernel[(programs,)](*args, **meta)
+        return
+    device = args[0].get_device()
+    key = (kernel, device, *meta.values(), *map(_launch_key, args))
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel[(programs,)](*args, **meta)
+        if isinstance(compiled, CompiledKernel):
+            constexprs = tuple(meta[name] for name in kernel.arg_names[len(args):])
+            _COMPILED[key] = compiled, compiled.run, compiled.function, compiled.packed_metadata, constexprs
+        return
+    compiled, launcher, function, packed_metadata, constexprs = entry
+    stream = driver.active.get_current_stream(device)
+    if knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
+        launcher(programs, 1, 1, stream, function, packed_metadata, None, None, None, *args, *constexprs)
+    else:
+        compiled[(programs, 1, 1)](*args, *constexprs, stream=stream)
+
+
+_SCRATCH = {}  # (device, stream) -> permute's routing scratch on that stream
+
+
+def _routing_scratch(device, words):
+    """int32 scratch for permute's routing, its first word (the ticket) zero.
+
+    The routing kernel leaves the ticket at zero, and launches on one stream never overlap, so on
+    a GPU one buffer per stream is reused instead of zeroing a new one per call. Under CUDA-graph
+    capture, and on the CPU interpreter, a fresh zeroed buffer is used."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(words, dtype=torch.int32, device=device)
+    key = (device.index, driver.active.get_current_stream(device.index))
+    scratch = _SCRATCH.get(key)
+    if scratch is None or scratch.numel() < words:
+        scratch = _SCRATCH[key] = torch.zeros(max(words, 2 * (0 if scratch is None else scratch.numel())),
+                                              dtype=torch.int32, device=device)
+    return scratch
+
+
+def _row_block(t):
+    """Row chunk per loop step: one 16-byte vector per lane."""
+    return _ROW_BYTES_PER_WARP * _NUM_WARPS // t.element_size()
+
+
+def _block_tokens(width):
+    """Tokens per routing block: 1024 route slots, so the serial segment layout sees few blocks."""
+    return max(1, 1024 // _pow2(width))
+
+
+class TritonBackend:
+    """Allocates and launches one variant's kernels (see permgen.ops for the interface)."""
+
+    def __init__(self, variant: dict, kernels: TritonKernels):
+        self.variant = variant
+        self.kernels = kernels
+        self.name = variant["name"]
+        self.mask = variant["routing"] == "mask"
+        self.pad = variant["pad"]
+        self.fp8 = variant["dtype"] in FP8_DTYPES
+        self.token_dtype = token_dtype(variant)
+        # lru_cache per instance: the launch geometry of each shape is worked out once.
+        self._routing_launch = functools.lru_cache(maxsize=1024)(self._routing_geometry)
+
+    def check_device(self, tokens):
+        """Compiled kernels run on CUDA tensors; under TRITON_INTERPRET=1 they run on CPU tensors."""
+        compiled = isinstance(self.kernels.route, JITFunction)
+        if tokens.device.type != ("cuda" if compiled else "cpu"):
+            raise ValueError(f"{self.name}: tokens are on {tokens.device}; the triton target runs on CUDA tensors "
+                             "(CPU tensors under TRITON_INTERPRET=1)")
+
+    # -- geometry --------------------------------------------------------------------------------
+
+    def _route_tile(self, width, num_experts):
+        """Route slots a kernel visits per step: all k of index routing at once; for mask routing
+        the same tile with or without a topk hint (it depends on E only, never on the row map's width)."""
+        if self.mask:
+            return _pow2(min(num_experts, _MAX_ROUTE_TILE))
+        return _pow2(width)
+
+    def _routing_geometry(self, num_tokens, width, num_experts):
+        """(programs, scratch words, constexprs) of the routing kernel for one shape."""
+        block_tokens = _block_tokens(self._route_tile(width, num_experts))
+        # At least one routing program runs: the last one lays out the segments, even for N = 0.
+        num_blocks = max(1, _cdiv(num_tokens, block_tokens))
+        e_pow2 = _pow2(num_experts)
+        meta = dict(K=width, E=num_experts, E_POW2=e_pow2, BLOCK_TOKENS=block_tokens)
+        if self.mask:
+            meta.update(EXPERT_CHUNK=max(1, min(e_pow2, 4096 // block_tokens)))
+        else:
+            meta.update(BLOCK_ROUTES=_pow2(block_tokens * width), BINS=_pow2(num_experts + 1))
+        meta.update(CHUNK_BLOCKS=max(1, 8192 // e_pow2))
+        if self.pad:
+            meta.update(PAD=self.pad)
+        scratch_words = 1 + num_blocks * num_experts + (num_tokens * width if self.mask else 0)
+        return num_blocks, scratch_words, meta
+
+    def _zero_programs(self, num_experts, num_rows, tail):
+        """(programs, tail programs, constexprs) of the programs that zero unwritten rows: pad rows of
+        each expert, then the rows past the last segment (only when num_out_tokens fixed the row count)."""
+        tail_programs = _cdiv(num_rows, _TAIL_ROWS_PER_PROGRAM) if tail else 0
+        if not self.pad:
+            return tail_programs, tail_programs, {}
+        pad_groups = _cdiv(self.pad - 1, _PAD_ROWS_PER_PROGRAM)
+        return (num_experts * pad_groups + tail_programs, tail_programs,
+                dict(PAD_GROUPS=pad_groups, PAD_ROWS_PER_PROGRAM=_PAD_ROWS_PER_PROGRAM))
+
+    def _route_words(self, num_tokens, width):
+        """Row map words before the segment table: dst rows (+ experts and route counts for mask routing)."""
+        return (2 * width + 1) * num_tokens if self.mask else width * num_tokens
+
+    def _route_meta(self, row_id_map, hidden_block):
+        meta = dict(K=row_id_map.width, ROUTES=self._route_tile(row_id_map.width, row_id_map.num_experts))
+        if self.mask:
+            meta.update(E=row_id_map.num_experts)
+        meta.update(BLOCK_H=hidden_block, num_warps=_NUM_WARPS, maxnreg=_MAX_REGISTERS)
+        return meta
+
+    def row_id_map(self, row_map, routing, plan, num_rows):
+        return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
+
+    # -- ops ---------------------------------------------------------------------------------------
+
+    def permute(self, plan, tokens, routing, probs, scale):
+        """Two launches (routing, then rows)."""
+        num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
+        device = tokens.device
+        num_blocks, scratch_words, route_meta = self._routing_launch(num_tokens, width, num_experts)
+        route_words = self._route_words(num_tokens, width)
+        row_map = torch.empty(route_words + 2 * num_experts + 1, dtype=torch.int32, device=device)
+        tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=device)
+        scratch = _routing_scratch(device, scratch_words)
+        if self.mask and routing.dtype == torch.bool:
+            routing = routing.view(torch.uint8)  # bools are loaded as bytes
+        cap = plan.num_out_tokens
+        _launch(self.kernels.route, num_blocks, routing, row_map, tokens_per_expert, scratch,
+                num_tokens, num_blocks, _NO_CAP if cap is None else cap, **route_meta, num_warps=_ROUTE_WARPS)
+        # Without a cap the row count is data-dependent: permute's one host sync (rows in use = offsets[E]).
+        num_rows = int(row_map[route_words + num_experts]) if cap is None else cap
+
+        if self.fp8:
+            # fp8 rows move as bytes: Triton's fp8 types need a recent GPU even for a plain copy.
+            out = torch.empty((num_rows, hidden), dtype=torch.uint8, device=device)
+            tokens = tokens.view(torch.uint8)
+        else:
+            out = torch.empty((num_rows, hidden), dtype=tokens.dtype, device=device)
+        out_probs = None if probs is None else torch.empty(num_rows, dtype=probs.dtype, device=device)
+        out_scale = None if scale is None else torch.empty((num_rows, scale.shape[1]), dtype=scale.dtype, device=device)
+        zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=cap is not None)
+        if zero_programs + num_tokens:
+            args = [tokens] + ([] if self.mask else [routing]) + [row_map, scratch, out]
+            meta = dict(K=width, ROUTES=self._route_tile(width, num_experts), E=num_experts,
+                        BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
+            if not self.mask:
+                meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
+            meta.update(BLOCK_H=_row_block(tokens))
+            if probs is not None:
+                args += [probs, out_probs]
+            if scale is not None:
+                args += [scale, out_scale, scale.shape[1]]
+                meta.update(BLOCK_S=min(_pow2(scale.shape[1]), 256))
+            args += [num_tokens, num_rows, hidden, num_blocks, zero_programs, tail_programs]
+            _launch(self.kernels.permute, zero_programs + num_tokens, *args, **meta, **zero_meta,
+                    num_warps=_NUM_WARPS)
+        if self.fp8:
+            out = out.view(self.token_dtype)
+        return out, out_probs, out_scale, tokens_per_expert, row_map, num_rows
+
+    def unpermute(self, row_id_map, permuted, merging_probs):
+        num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
+        out = torch.empty((num_tokens, hidden), dtype=permuted.dtype, device=permuted.device)
+        if num_tokens:
+            meta = self._route_meta(row_id_map, _row_block(permuted))
+            if merging_probs is not None:
+                _launch(self.kernels.unpermute, num_tokens, permuted, row_id_map.row_map, merging_probs, out,
+                        num_tokens, hidden, **meta)
+            else:
+                _launch(self.kernels.sum_routes, num_tokens, permuted, row_id_map.row_map, out, num_tokens, hidden,
+                        **meta)
+        return out
+
+    def permute_backward(self, row_id_map, grad_out, grad_out_probs, probs_meta):
+        num_tokens = row_id_map.num_tokens
+        grad_tokens = grad_probs = None
+        if grad_out is not None:
+            grad_out = grad_out.contiguous()
+            grad_tokens = torch.empty((num_tokens, grad_out.shape[1]), dtype=grad_out.dtype, device=grad_out.device)
+        if grad_out_probs is not None:
+            shape, dtype = probs_meta
+            grad_probs = torch.empty(shape, dtype=dtype, device=grad_out_probs.device)
+            if num_tokens:
+                # One launch for both: the prob grads ride along with the row sums.
+                meta = self._route_meta(row_id_map, 16 if grad_out is None else _row_block(grad_out))
+                if self.mask:
+                    meta.update(E_POW2=_pow2(row_id_map.num_experts))
+                _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map,
+                        grad_out_probs.contiguous(), grad_probs, grad_tokens, num_tokens,
+                        0 if grad_out is None else grad_out.shape[1], **meta)
+        elif grad_out is not None and num_tokens:
+            _launch(self.kernels.sum_routes, num_tokens, grad_out, row_id_map.row_map, grad_tokens, num_tokens,
+                    grad_out.shape[1], **self._route_meta(row_id_map, _row_block(grad_out)))
+        return grad_tokens, grad_probs
+
+    def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs):
+        num_tokens, num_rows, num_experts = row_id_map.num_tokens, row_id_map.num_rows, row_id_map.num_experts
+        hidden = grad_out.shape[1]
+        grad_permuted = torch.empty((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device)
+        # Every row that is not some token's route must come back as zeros.
+        zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
+        programs = zero_programs + num_tokens
+        meta = self._route_meta(row_id_map, _row_block(grad_out))
+        meta.update(E=num_experts, **zero_meta)
+        sizes = (num_tokens, num_rows, hidden, zero_programs, tail_programs)
+        if merging_probs is not None:
+            grad_probs = torch.empty(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device)
+            if self.mask:
+                meta.update(E_POW2=_pow2(num_experts))
+            if programs:
+                _launch(self.kernels.unpermute_backward, programs, grad_out, row_id_map.row_map, merging_probs,
+                        permuted, grad_probs, grad_permuted, *sizes, **meta)
+            return grad_permuted, grad_probs
+        if programs:
+            _launch(self.kernels.scatter_routes, programs, grad_out, row_id_map.row_map, grad_permuted, *sizes, **meta)
+        return grad_permuted, None
+
