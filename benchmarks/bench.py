@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 import triton
 
+import permgen
+from permgen.contract import combine_dtype, token_dtype
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
@@ -72,7 +74,7 @@ def reference_bandwidths():
 def make_inputs(mod, N, H, E, k, seed=0):
     v = mod.VARIANT
     g = torch.Generator(device="cuda").manual_seed(seed)
-    tokens = torch.randn(N, H, device="cuda", generator=g).to(mod.TOKEN_DTYPE)
+    tokens = torch.randn(N, H, device="cuda", generator=g).to(token_dtype(v))
     logits = torch.randn(N, E, device="cuda", generator=g)
     top_probs, ids = logits.softmax(-1).topk(k, dim=-1)
     if v["routing"] == "mask":
@@ -86,15 +88,26 @@ def make_inputs(mod, N, H, E, k, seed=0):
     return tokens, routing, probs, scale, ids
 
 
-def permute_kwargs(mod, N, E, k, rows=None):
+def permute_kwargs(mod, N, E, k, rows=None, hint=False):
     """(M, permute's keyword arguments) for a benchmark call. num_out_tokens = M, by default a static
-    row cap that fits every padded layout, so permute does not synchronise with the host."""
+    row cap that fits every padded layout, so permute does not synchronise with the host. The call
+    users make (TransformerEngine's arguments) gives no topk; hint=True adds it (mask routing)."""
     pad = mod.VARIANT["pad"]
     M = rows if rows is not None else N * k + (E * (pad - 1) if pad else 0)
     kw = dict(num_experts=E, num_out_tokens=M)
-    if mod.VARIANT["routing"] == "mask":
+    if hint:
         kw["topk"] = k
     return M, kw
+
+
+def call_styles(mod):
+    """How permute is called: without hints (first: what users call), and with topk for mask routing."""
+    return ("plain", "topk") if mod.VARIANT["routing"] == "mask" else ("plain",)
+
+
+def load(vname):
+    return permgen.get_kernel("triton", **{a: permgen.VARIANTS[vname][a] for a in ("dtype", "routing", "probs",
+                                                                                   "scale", "pad")})
 
 
 # ---- the PyTorch-native path (as a non-fused Megatron dispatcher does it) ----------------------
@@ -132,10 +145,11 @@ def op_bytes(op, mod, N, H, E, k, M, routing, probs):
     (>= R: pad rows and rows past the last segment are written as zeros). Prob grads are written
     for the probs' whole shape ([N, E] for mask routing). fp8 tokens carry no grad, so their
     permute backward moves prob grads only."""
-    tb = torch.empty((), dtype=mod.TOKEN_DTYPE).element_size()
-    cb = torch.empty((), dtype=mod.COMBINE_DTYPE).element_size()
+    tb = torch.empty((), dtype=token_dtype(mod.VARIANT)).element_size()
+    cb = torch.empty((), dtype=combine_dtype(mod.VARIANT)).element_size()
     R = N * k
-    row_map = R * 4 * (2 if mod.VARIANT["routing"] == "mask" else 1)  # dst rows (+ the experts of mask routing)
+    # dst rows (+ the experts and route counts of mask routing); slots past a token's routes are untouched
+    row_map = R * 4 + ((R + N) * 4 if mod.VARIANT["routing"] == "mask" else 0)
     prob_bytes = R * 4 if probs is not None else 0
     prob_grad_bytes = probs.numel() * 4 if probs is not None else 0
     token_rows = 0 if mod.VARIANT["dtype"].startswith("fp8") else 1
@@ -179,75 +193,81 @@ def backward_graph_us(setup):
 
 def run_shape(name, N, H, E, k, variants, copy_bw, results):
     for vname in variants:
-        mod = __import__(f"generated.triton.{vname}", fromlist=["VARIANT"])
-        v = mod.VARIANT
-        tokens, routing, probs, scale, ids = make_inputs(mod, N, H, E, k)
-        pad = v["pad"]
-        M, kw = permute_kwargs(mod, N, E, k)
-        fwd = lambda: mod.permute(tokens, routing, probs, scale, **kw)  # noqa: E731
-        res = fwd()
-        permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
-        unp = lambda: mod.unpermute(permuted, res.row_id_map, probs)  # noqa: E731
+        mod = load(vname)
+        for call in call_styles(mod):
+            run_variant(name, N, H, E, k, mod, call, copy_bw, results)
 
-        # backward passes, through autograd as a training step runs them
-        grad_ok = not v["dtype"].startswith("fp8")
 
-        def permute_backward():
-            t_in = tokens.detach().clone().requires_grad_(grad_ok)
-            p_in = probs.detach().clone().requires_grad_()
-            r2 = mod.permute(t_in, routing, p_in, scale, **kw)
-            outs, ins = ([r2.tokens] if grad_ok else []) + [r2.probs], ([t_in] if grad_ok else []) + [p_in]
-            gs = ([torch.randn(M, H, device="cuda").to(tokens.dtype)] if grad_ok else []) + [torch.randn(M, device="cuda")]
-            return lambda: torch.autograd.grad(outs, ins, gs, retain_graph=True)
+def run_variant(name, N, H, E, k, mod, call, copy_bw, results):
+    v = mod.VARIANT
+    vname = v["name"]
+    tokens, routing, probs, scale, ids = make_inputs(mod, N, H, E, k)
+    pad = v["pad"]
+    M, kw = permute_kwargs(mod, N, E, k, hint=call == "topk")
+    fwd = lambda: mod.permute(tokens, routing, probs, scale, **kw)  # noqa: E731
+    res = fwd()
+    permuted = torch.randn(M, H, device="cuda").to(combine_dtype(v))
+    unp = lambda: mod.unpermute(permuted, res.row_id_map, probs)  # noqa: E731
 
-        def unpermute_backward():
-            u_in = permuted.detach().clone().requires_grad_()
-            m_in = probs.detach().clone().requires_grad_()
-            u_out = mod.unpermute(u_in, res.row_id_map, m_in)
-            g_out = torch.randn(N, H, device="cuda").to(mod.COMBINE_DTYPE)
-            return lambda: torch.autograd.grad(u_out, [u_in, m_in], g_out, retain_graph=True)
+    # backward passes, through autograd as a training step runs them
+    grad_ok = not v["dtype"].startswith("fp8")
 
-        pbwd, ubwd = permute_backward(), unpermute_backward()
-        g_out = torch.randn(N, H, device="cuda").to(mod.COMBINE_DTYPE)
+    def permute_backward():
+        t_in = tokens.detach().clone().requires_grad_(grad_ok)
+        p_in = probs.detach().clone().requires_grad_()
+        r2 = mod.permute(t_in, routing, p_in, scale, **kw)
+        outs, ins = ([r2.tokens] if grad_ok else []) + [r2.probs], ([t_in] if grad_ok else []) + [p_in]
+        gs = ([torch.randn(M, H, device="cuda").to(tokens.dtype)] if grad_ok else []) + [torch.randn(M, device="cuda")]
+        return lambda: torch.autograd.grad(outs, ins, gs, retain_graph=True)
 
-        # the PyTorch-native path on the same data
-        probs_topk = probs.gather(1, ids) if v["routing"] == "mask" else probs
-        tok_native = tokens if grad_ok else tokens.to(torch.bfloat16)
-        nat = torch_permute(tok_native, ids, probs_topk, E, pad)
-        nat_fwd = lambda: torch_permute(tok_native, ids, probs_topk, E, pad)  # noqa: E731
-        nat_perm = torch.randn(nat[0].shape, device="cuda").to(mod.COMBINE_DTYPE)
-        nat_unp = lambda: torch_unpermute(nat_perm, nat[1], nat[2], N, nat[3])  # noqa: E731
-        tn = tok_native.detach().clone().requires_grad_()
-        pn = probs_topk.detach().clone().requires_grad_()
-        nat2 = torch_permute(tn, ids, pn, E, pad)
-        nat_pbwd = lambda: torch.autograd.grad([nat2[0], nat2[1]], [tn, pn], [torch.ones_like(nat2[0]), torch.ones_like(nat2[1])], retain_graph=True)  # noqa: E731
-        un = nat_perm.detach().clone().requires_grad_()
-        pn2 = nat[1].detach().clone().requires_grad_()
-        nat_u = torch_unpermute(un, pn2, nat[2], N, nat[3])
-        nat_ubwd = lambda: torch.autograd.grad(nat_u, [un, pn2], g_out, retain_graph=True)  # noqa: E731
+    def unpermute_backward():
+        u_in = permuted.detach().clone().requires_grad_()
+        m_in = probs.detach().clone().requires_grad_()
+        u_out = mod.unpermute(u_in, res.row_id_map, m_in)
+        g_out = torch.randn(N, H, device="cuda").to(combine_dtype(v))
+        return lambda: torch.autograd.grad(u_out, [u_in, m_in], g_out, retain_graph=True)
 
-        for op, fn, native in (("permute", fwd, nat_fwd), ("unpermute", unp, nat_unp),
-                               ("permute_bwd", pbwd, nat_pbwd), ("unpermute_bwd", ubwd, nat_ubwd)):
-            t = bench(fn)
-            t_graph = (graph_us(fn) if op in ("permute", "unpermute")
-                       else backward_graph_us(permute_backward if op == "permute_bwd" else unpermute_backward))
-            tn_us = bench(native)
-            nbytes = op_bytes(op, mod, N, H, E, k, M, routing, probs)
-            floor_us = nbytes / copy_bw * 1e6
-            row = dict(shape=name, N=N, H=H, E=E, k=k, variant=vname, op=op, time_us=round(t, 2),
-                       bytes=nbytes, gbps=round(nbytes / t / 1e3, 1), floor_us=round(floor_us, 2),
-                       ratio_to_floor=round(t / floor_us, 3),
-                       graph_time_us=None if t_graph is None else round(t_graph, 2),
-                       graph_ratio_to_floor=None if t_graph is None else round(t_graph / floor_us, 3),
-                       torch_us=round(tn_us, 2),
-                       speedup_vs_torch=round(tn_us / t, 2))
-            results.append(row)
-            print(f"{name:15s} {vname:36s} {op:14s} {t:9.1f} us  {row['gbps']:7.0f} GB/s  "
-                  f"x{row['ratio_to_floor']:.3f} floor  "
-                  + (f"graph x{row['graph_ratio_to_floor']:.3f}  " if t_graph is not None else " " * 15)
-                  + f"torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)", flush=True)
-        del res, pbwd, ubwd, nat, nat2, nat_u
-        torch.cuda.empty_cache()
+    pbwd, ubwd = permute_backward(), unpermute_backward()
+    g_out = torch.randn(N, H, device="cuda").to(combine_dtype(v))
+
+    # the PyTorch-native path on the same data
+    probs_topk = probs.gather(1, ids) if v["routing"] == "mask" else probs
+    tok_native = tokens if grad_ok else tokens.to(torch.bfloat16)
+    nat = torch_permute(tok_native, ids, probs_topk, E, pad)
+    nat_fwd = lambda: torch_permute(tok_native, ids, probs_topk, E, pad)  # noqa: E731
+    nat_perm = torch.randn(nat[0].shape, device="cuda").to(combine_dtype(v))
+    nat_unp = lambda: torch_unpermute(nat_perm, nat[1], nat[2], N, nat[3])  # noqa: E731
+    tn = tok_native.detach().clone().requires_grad_()
+    pn = probs_topk.detach().clone().requires_grad_()
+    nat2 = torch_permute(tn, ids, pn, E, pad)
+    nat_pbwd = lambda: torch.autograd.grad([nat2[0], nat2[1]], [tn, pn], [torch.ones_like(nat2[0]), torch.ones_like(nat2[1])], retain_graph=True)  # noqa: E731
+    un = nat_perm.detach().clone().requires_grad_()
+    pn2 = nat[1].detach().clone().requires_grad_()
+    nat_u = torch_unpermute(un, pn2, nat[2], N, nat[3])
+    nat_ubwd = lambda: torch.autograd.grad(nat_u, [un, pn2], g_out, retain_graph=True)  # noqa: E731
+
+    for op, fn, native in (("permute", fwd, nat_fwd), ("unpermute", unp, nat_unp),
+                           ("permute_bwd", pbwd, nat_pbwd), ("unpermute_bwd", ubwd, nat_ubwd)):
+        t = bench(fn)
+        t_graph = (graph_us(fn) if op in ("permute", "unpermute")
+                   else backward_graph_us(permute_backward if op == "permute_bwd" else unpermute_backward))
+        tn_us = bench(native)
+        nbytes = op_bytes(op, mod, N, H, E, k, M, routing, probs)
+        floor_us = nbytes / copy_bw * 1e6
+        row = dict(shape=name, N=N, H=H, E=E, k=k, variant=vname, call=call, op=op, time_us=round(t, 2),
+                   bytes=nbytes, gbps=round(nbytes / t / 1e3, 1), floor_us=round(floor_us, 2),
+                   ratio_to_floor=round(t / floor_us, 3),
+                   graph_time_us=None if t_graph is None else round(t_graph, 2),
+                   graph_ratio_to_floor=None if t_graph is None else round(t_graph / floor_us, 3),
+                   torch_us=round(tn_us, 2),
+                   speedup_vs_torch=round(tn_us / t, 2))
+        results.append(row)
+        print(f"{name:15s} {vname:36s} {call:6s} {op:14s} {t:9.1f} us  {row['gbps']:7.0f} GB/s  "
+              f"x{row['ratio_to_floor']:.3f} floor  "
+              + (f"graph x{row['graph_ratio_to_floor']:.3f}  " if t_graph is not None else " " * 15)
+              + f"torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)", flush=True)
+    del res, pbwd, ubwd, nat, nat2, nat_u
+    torch.cuda.empty_cache()
 
 
 def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
@@ -258,7 +278,7 @@ def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
         tokens.requires_grad_(tokens.is_floating_point() and tokens.element_size() > 1)
         probs.requires_grad_()
     M, kw = permute_kwargs(mod, N, E, k, rows=N * k)
-    permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE).requires_grad_(grad)
+    permuted = torch.randn(M, H, device="cuda").to(combine_dtype(mod.VARIANT)).requires_grad_(grad)
     for _ in range(20):
         mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
     torch.cuda.synchronize()
@@ -363,11 +383,11 @@ def main():
     for name, N, H, E, k in SHAPES:
         if name in args.shapes:
             run_shape(name, N, H, E, k, args.variants, copy_bw, results)
-    small = {v: round_trip_us(__import__(f"generated.triton.{v}", fromlist=["VARIANT"])) for v in args.variants}
+    small = {v: round_trip_us(load(v)) for v in args.variants}
     for v in args.variants:
-        small[v]["autograd_eager_us"] = round_trip_us(__import__(f"generated.triton.{v}", fromlist=["VARIANT"]), grad=True)["eager_us"]
+        small[v]["autograd_eager_us"] = round_trip_us(load(v), grad=True)["eager_us"]
     print("small-shape permute + unpermute round trip, host-measured us/call:", small)
-    memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(__import__(f"generated.triton.{v}", fromlist=["VARIANT"]), 16384, 7168, 256, 8)))
+    memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(load(v), 16384, 7168, 256, 8)))
               for v in args.variants}
     print("bookkeeping kept by permute at N=16384, E=256, k=8:", memory)
     summary = dict(

@@ -3,13 +3,15 @@
     python3 benchmarks/profile_breakdown.py [variant]        (needs a CUDA GPU)
 """
 
+import importlib
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from permgen.contract import combine_dtype
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import make_inputs, permute_kwargs  # noqa: E402
@@ -29,13 +31,13 @@ def host_us(fn, calls=2000):
 
 def main():
     name = sys.argv[1] if len(sys.argv) > 1 else "probs_bf16_mask"
-    mod = __import__(f"generated.triton.{name}", fromlist=["VARIANT"])
+    mod = importlib.import_module(f"permgen.generated.triton.{name}")
     N, H, E, k = 1024, 1024, 16, 2
     tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
     M, kw = permute_kwargs(mod, N, E, k, rows=N * k)
     res = mod.permute(tokens, routing, probs, scale, **kw)
-    permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
-    out = torch.empty(N, H, device="cuda", dtype=mod.COMBINE_DTYPE)
+    permuted = torch.randn(M, H, device="cuda").to(combine_dtype(mod.VARIANT))
+    out = torch.empty(N, H, device="cuda", dtype=combine_dtype(mod.VARIANT))
     rm = res.row_id_map
     print(f"host us per call, {name}, N={N} H={H} E={E} k={k}")
     print(f"  torch.empty                 {host_us(lambda: torch.empty(N, H, device='cuda')):7.1f}")
@@ -43,10 +45,11 @@ def main():
     print(f"  slice + view                {host_us(lambda: out[2:10].view(-1)):7.1f}")
     print(f"  current stream handle       {host_us(lambda: torch.cuda.current_stream().cuda_stream):7.1f}")
     gather = getattr(mod, f"{name}_sum_routes_kernel")
-    launch_us = host_us(lambda: gather[(N,)](permuted, rm.row_map, out, N, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4))
+    meta = {name: value for name, value in mod._ops.backend._route_meta(rm, 1024).items() if name != "maxnreg"}
+    launch_us = host_us(lambda: gather[(N,)](permuted, rm.row_map, out, N, H, **meta))
     print(f"  one triton launch (gather)  {launch_us:7.1f}")
-    compiled = gather[(N,)](permuted, rm.row_map, out, N, H, K=k, K_POW2=2, BLOCK_H=1024, num_warps=4)
-    values = (permuted, rm.row_map, out, N, H, k, 2, 1024)
+    compiled = gather[(N,)](permuted, rm.row_map, out, N, H, **meta)
+    values = (permuted, rm.row_map, out, N, H, *(v for name, v in meta.items() if name != "num_warps"))
     print(f"  compiled[grid](*args)       {host_us(lambda: compiled[(N, 1, 1)](*values)):7.1f}")
     stream = torch.cuda.current_stream().cuda_stream
     compiled._init_handles()

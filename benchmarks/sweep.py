@@ -6,13 +6,16 @@ or (`routing`) the tokens per routing block.
 Times are CUDA-graph replays, so they are GPU time only; the floor is the copy bandwidth.
 """
 
+import importlib
 import itertools
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from permgen import triton_host as host
+from permgen.contract import combine_dtype
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import copy_bandwidth, graph_us, make_inputs, op_bytes, permute_kwargs  # noqa: E402
@@ -20,24 +23,25 @@ from bench import copy_bandwidth, graph_us, make_inputs, op_bytes, permute_kwarg
 
 def sweep_routing_blocks(mod, bw):
     """permute's time against the tokens per routing block (route slots = tokens * k)."""
-    default = mod._block_tokens
+    default = host._block_tokens
+    backend = mod._ops.backend
     for shape, N, H, E, k in [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
                               ("mixtral", 16384, 4096, 8, 2)]:
         tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
         M, kw = permute_kwargs(mod, N, E, k)
         floor = op_bytes("permute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
         for slots in (128, 256, 512, 1024, 2048):
-            mod._block_tokens = lambda k, slots=slots: max(1, slots // mod._pow2(k))
-            mod._routing_launch.cache_clear()
+            host._block_tokens = lambda k, slots=slots: max(1, slots // host._pow2(k))
+            backend._routing_launch.cache_clear()
             t = graph_us(lambda: mod.permute(tokens, routing, probs, scale, **kw))
             print(f"{shape:12s} route slots per block={slots:5d}  permute {t:8.1f} us x{t / floor:.3f}", flush=True)
-        mod._block_tokens = default
-        mod._routing_launch.cache_clear()
+        host._block_tokens = default
+        backend._routing_launch.cache_clear()
 
 
 def main():
     name = sys.argv[1] if len(sys.argv) > 1 else "probs_bf16_index"
-    mod = __import__(f"generated.triton.{name}", fromlist=["VARIANT"])
+    mod = importlib.import_module(f"permgen.generated.triton.{name}")
     bw = copy_bandwidth()
     print(f"copy {bw / 1e9:.0f} GB/s; {name}")
     if sys.argv[2:] == ["routing"]:
@@ -47,9 +51,9 @@ def main():
                               ("mixtral", 16384, 4096, 8, 2), ("small", 1024, 1024, 16, 2)]:
         tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
         M, kw = permute_kwargs(mod, N, E, k)
-        permuted = torch.randn(M, H, device="cuda").to(mod.COMBINE_DTYPE)
+        permuted = torch.randn(M, H, device="cuda").to(combine_dtype(mod.VARIANT))
         for warps, row_bytes in itertools.product((4, 8, 16), (256, 512, 1024)):
-            mod._NUM_WARPS, mod._ROW_BYTES_PER_WARP = warps, row_bytes
+            host._NUM_WARPS, host._ROW_BYTES_PER_WARP = warps, row_bytes
             res = mod.permute(tokens, routing, probs, scale, **kw)
             t_p = graph_us(lambda: mod.permute(tokens, routing, probs, scale, **kw))
             t_u = graph_us(lambda: mod.unpermute(permuted, res.row_id_map, probs))
@@ -58,7 +62,7 @@ def main():
             print(f"{shape:12s} warps={warps:2d} bytes/warp={row_bytes:4d}  permute {t_p:8.1f} us x{t_p / f_p:.3f}"
                   f"   unpermute {t_u:8.1f} us x{t_u / f_u:.3f}", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
-            mod._NUM_WARPS, mod._ROW_BYTES_PER_WARP = 4, 512
+            host._NUM_WARPS, host._ROW_BYTES_PER_WARP = 4, 512
             for _ in range(5):
                 mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
             torch.cuda.synchronize()

@@ -1,4 +1,5 @@
-"""python -m generator generate | check | list  [--spec variants.toml] [--out generated]"""
+"""python -m generator generate | check | list  [--spec variants.toml] [--out generated]
+   python -m generator vendor <variant> -o FILE   (one self-contained Triton file)"""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from .render import GENERATED, MARKER, ROOT, GenerationError, diff_against, render_all, stale_and_foreign, write_all
 from .spec import SpecError, load_spec
+from .vendor import vendor
 
 
 def display_name(out_dir: Path) -> str:
@@ -23,7 +25,9 @@ def display_name(out_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m generator", description="Generate permgen kernels from the spec.")
-    parser.add_argument("command", choices=("generate", "check", "list"))
+    parser.add_argument("command", choices=("generate", "check", "list", "vendor"))
+    parser.add_argument("variant", nargs="?", help="vendor: the variant to write as one file")
+    parser.add_argument("-o", "--output", type=Path, help="vendor: the file to write")
     parser.add_argument("--spec", type=Path, default=ROOT / "variants.toml", help="spec file (default: variants.toml)")
     parser.add_argument("--out", type=Path, default=GENERATED, help="output directory (default: generated/)")
     args = parser.parse_args(argv)
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{v.name:40s} {' '.join(v.targets)}")
             return 0
         outputs = render_all(variants)
+        if args.command == "vendor":
+            return _vendor(args, parser, outputs)
     except (SpecError, GenerationError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -62,6 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     for path in removed:
         print(f"removed {label}/{path}")
     print(f"{len(variants)} variants, {len(written)} files written, {len(removed)} removed")
+    return 0
+
+
+def _vendor(args, parser, outputs) -> int:
+    if not args.variant or not args.output:
+        parser.error("vendor needs a variant name and -o FILE")
+    wanted = Path("triton") / f"{args.variant}.py"
+    match = [o for o in outputs if o.path == wanted]
+    if not match:
+        names = sorted(o.path.stem for o in outputs if o.path.parent.name == "triton" and o.path.stem != "__init__")
+        print(f"error: no triton variant {args.variant!r} in the spec; variants: {', '.join(names)}", file=sys.stderr)
+        return 2
+    args.output.write_text(vendor(match[0], args.variant), encoding="utf-8")
+    print(f"wrote {args.output} ({args.variant}, self-contained)")
     return 0
 
 

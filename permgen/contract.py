@@ -6,8 +6,6 @@ checks raise the same exception with the same words whichever target runs the va
 module imports nothing at load time, so the generator can use it without torch installed.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 

@@ -14,8 +14,6 @@ only allocates and launches. Backend methods:
         -> (grad_permuted, grad_probs | None)
 """
 
-from __future__ import annotations
-
 import torch
 
 from .contract import check_permute, check_unpermute, combine_dtype, routing_error, token_dtype

@@ -1,7 +1,5 @@
 """What permute returns, the same type on every target."""
 
-from __future__ import annotations
-
 from typing import NamedTuple, Optional
 
 import torch

@@ -5,8 +5,6 @@ autograd on top. Launch geometry (route tiles, row blocks, register caps) lives 
 numbers; what a variant specialises is in its kernels.
 """
 
-from __future__ import annotations
-
 import functools
 from typing import NamedTuple, Optional
 
