@@ -17,6 +17,7 @@ several ranks at once through `run_ranks(fn, rank_args)` (see `collectives`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -25,10 +26,10 @@ import types
 import numpy as np
 
 from . import _core, collectives, isa, language
-from ._core import EmulatorError, Tensor
+from ._core import Cost, EmulatorError, Tensor
 from .collectives import run_ranks
 
-__all__ = ["EmulatorError", "jit", "simulate", "install", "real_nki_available", "run_ranks", "language", "isa",
+__all__ = ["Cost", "EmulatorError", "jit", "recording", "simulate", "install", "real_nki_available", "run_ranks", "language", "isa",
            "collectives"]
 
 
@@ -80,9 +81,31 @@ def _to_output(x):
 
 def _run(func, args, kwargs):
     _core.reset_ledger()
+    cost = _core.begin_cost(getattr(func, "__name__", "?"))
     args = [_to_input(a, f"#{i}") for i, a in enumerate(args)]
     kwargs = {k: _to_input(v, k) for k, v in kwargs.items()}
-    return _to_output(func(*args, **kwargs))
+    out = _to_output(func(*args, **kwargs))
+    for runs in _core.recorders():
+        runs.append(cost)
+    return out
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the Cost (instructions, indirect DMAs, DMA bytes, dynamic loop iterations) of every
+    kernel run on this thread inside the block:
+
+        with nki_emulator.recording() as runs:
+            nki.simulate(kernel)(*arrays)
+        runs[0].instructions
+    """
+    runs: list = []
+    _core.recorders().append(runs)
+    try:
+        yield runs
+    finally:
+        active = _core.recorders()
+        del active[next(i for i, r in enumerate(active) if r is runs)]
 
 
 def real_nki_available() -> bool:

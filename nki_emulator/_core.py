@@ -128,6 +128,79 @@ def reset_ledger() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Cost counters: what one kernel run issued. Instructions are counted as executed (a dynamic
+# loop's body counts once per iteration); DMA bytes are the bytes a copy actually moved (lanes an
+# indirect copy skips move nothing).
+@dataclass
+class Cost:
+    kernel: str
+    instructions: int = 0  # every nki.isa / nki.collectives call that is an instruction
+    indirect_dmas: int = 0  # dma_copy calls with a vector_offset on one side
+    dma_bytes: int = 0  # bytes moved by dma_copy
+    dynamic_iterations: int = 0  # iterations of nl.dynamic_range loops (each ends in an all-engine barrier)
+
+
+def begin_cost(kernel: str) -> Cost:
+    _local.cost = Cost(kernel)
+    return _local.cost
+
+
+def current_cost() -> Cost:
+    cost = getattr(_local, "cost", None)
+    if cost is None:
+        cost = _local.cost = Cost("(outside a kernel)")
+    return cost
+
+
+def count_instruction(indirect: bool = False, dma_bytes: int = 0) -> None:
+    cost = current_cost()
+    cost.instructions += 1
+    cost.indirect_dmas += int(indirect)
+    cost.dma_bytes += int(dma_bytes)
+
+
+def recorders() -> list:
+    """Lists that collect this thread's finished kernel runs (see nki_emulator.recording)."""
+    if not hasattr(_local, "recorders"):
+        _local.recorders = []
+    return _local.recorders
+
+
+# ---------------------------------------------------------------------------------------------
+# Virtual registers: scalars held by the engine sequencers (nisa.register_alloc / register_load),
+# used as dynamic loop bounds (nl.dynamic_range) and dynamic offsets (.ap(scalar_offset=...)).
+class VirtualRegister:
+    """A register's value exists only on the device: it bounds dynamic loops and offsets access
+    patterns, but a kernel cannot use it as a Python int (nki-dynamic-loops: "You cannot use it in
+    host-side Python expressions")."""
+
+    def __init__(self, value=None):
+        self._value = None if value is None else int(value)
+
+    def value(self, what: str) -> int:
+        if self._value is None:
+            raise EmulatorError(f"{what} reads a register that was never written")
+        return self._value
+
+    def _host_use(self, *_):
+        raise EmulatorError("a VirtualRegister holds a device value: it cannot be used in host-side Python "
+                            "expressions (ints, slices, comparisons, arithmetic); use it as a dynamic_range bound "
+                            "or an access pattern's scalar_offset")
+
+    __index__ = __int__ = __float__ = _host_use
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _host_use
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __floordiv__ = __mod__ = _host_use
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        # `while reg:` is a documented device loop: it runs while the register is non-zero.
+        return self.value("while <register>") != 0
+
+    def __repr__(self) -> str:
+        return "VirtualRegister(...)"
+
+
+# ---------------------------------------------------------------------------------------------
 class Tensor:
     """A tensor in one memory. Indexing with ints and slices gives views, as NKI tile slicing does."""
 
@@ -176,24 +249,34 @@ class Tensor:
     def ap(self, pattern, offset=0, vector_offset=None, indirect_dim=0, scalar_offset=None, dtype=None):
         if not self.whole:
             raise EmulatorError(".ap() addresses a whole tensor's storage; call it on the tensor, not a slice")
-        if dtype is not None or scalar_offset is not None:
-            raise EmulatorError("only pattern/offset/vector_offset/indirect_dim access patterns are emulated")
-        return AccessPattern(self, [list(map(int, p)) for p in pattern], int(offset), vector_offset, int(indirect_dim))
+        if dtype is not None:
+            raise EmulatorError("only pattern/offset/scalar_offset/vector_offset/indirect_dim access patterns are emulated")
+        if scalar_offset is not None and vector_offset is not None:
+            raise EmulatorError("at most one of scalar_offset and vector_offset can be specified")
+        if scalar_offset is not None and not isinstance(scalar_offset, VirtualRegister):
+            raise EmulatorError(f"scalar_offset is emulated as a VirtualRegister, got {type(scalar_offset).__name__}")
+        return AccessPattern(self, [list(map(int, p)) for p in pattern], int(offset), vector_offset, int(indirect_dim),
+                             scalar_offset)
 
 
 class AccessPattern:
-    """tensor.ap(pattern=[[step, count], ...], offset, vector_offset=idx, indirect_dim=d).
+    """tensor.ap(pattern=[[step, count], ...], offset, vector_offset=idx | scalar_offset=reg, indirect_dim=d).
 
     Element (i0, i1, ...) lives at flat storage address offset + sum_d i_d * step_d; with a
     vector offset, dimension d's index i_d is replaced by idx[i_d, 0], and a lane whose index lies
-    outside the tensor's extent along that dimension (size // step_d) is out of bounds.
+    outside the tensor's extent along that dimension (size // step_d) is out of bounds. A scalar
+    offset (a register) starts dimension d's access that many elements of d further on: the
+    address grows by value * step_d; the whole access must stay inside the tensor.
     """
 
-    def __init__(self, tensor: Tensor, pattern, offset, vector_offset, indirect_dim):
+    def __init__(self, tensor: Tensor, pattern, offset, vector_offset, indirect_dim, scalar_offset=None):
         if not pattern or any(len(p) != 2 or p[1] < 0 for p in pattern):
             raise EmulatorError(f"access pattern must be a list of [step, count] pairs, got {pattern}")
         self.tensor, self.pattern, self.offset = tensor, pattern, offset
         self.vector_offset, self.indirect_dim = vector_offset, indirect_dim
+        self.scalar_offset = scalar_offset
+        if scalar_offset is not None and not 0 <= indirect_dim < len(pattern):
+            raise EmulatorError(f"indirect_dim {indirect_dim} outside the {len(pattern)}-d pattern")
         if vector_offset is not None:
             if not isinstance(vector_offset, Tensor) or vector_offset.buffer is not SBUF:
                 raise EmulatorError("vector_offset must be an SBUF tile")
@@ -221,7 +304,10 @@ class AccessPattern:
     def resolve(self):
         """(flat storage, addresses[shape], lanes in bounds along the indirect dim or None)."""
         storage = self.tensor.array.reshape(-1)
-        addresses = np.full(self.shape, self.offset, dtype=np.int64)
+        start = self.offset
+        if self.scalar_offset is not None:
+            start += self.scalar_offset.value("scalar_offset") * self.pattern[self.indirect_dim][0]
+        addresses = np.full(self.shape, start, dtype=np.int64)
         valid = None
         for d, (step, count) in enumerate(self.pattern):
             index = np.arange(count, dtype=np.int64)

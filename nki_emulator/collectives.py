@@ -120,6 +120,7 @@ def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=
     """Split src along dim 0 into one chunk per rank of the rank-list; chunk j goes to rank j, and
     the chunk from rank i lands as chunk i of dst. HBM only; collective_dim 0 only."""
     kind = "all_to_all"
+    _core.count_instruction()
     src, dst = _hbm_list(srcs, "srcs", kind), _hbm_list(dsts, "dsts", kind)
     if collective_dim != 0:
         raise EmulatorError(f"{kind}: only collective_dim=0 is supported")
@@ -145,6 +146,7 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
     dst[rdispl[j] : + count].
     """
     kind = "all_to_all_v"
+    _core.count_instruction()
     src, dst = _hbm_list(srcs, "srcs", kind), _hbm_list(dsts, "dsts", kind)
     meta = metadata_tensor
     if not isinstance(meta, Tensor) or meta.buffer not in _core.HBM_BUFFERS or not meta.whole:

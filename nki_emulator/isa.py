@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._core import PSUM, SBUF, AccessPattern, EmulatorError, Tensor
+from ._core import PSUM, SBUF, AccessPattern, EmulatorError, Tensor, VirtualRegister
 from .language import Operator
 
 
@@ -91,7 +91,9 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mo
     if isinstance(dst, AccessPattern) and isinstance(src, AccessPattern) and (
             dst.vector_offset is not None and src.vector_offset is not None):
         raise EmulatorError("only one side of a dma_copy may be indirect")
+    indirect = any(isinstance(side, AccessPattern) and side.vector_offset is not None for side in (dst, src))
     if math.prod(dst.shape) == 0:
+        _core.count_instruction(indirect)
         return
 
     def read(side):
@@ -121,15 +123,18 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mo
         storage[addresses[keep]] = values[keep]
     else:
         dst.array[keep] = values[keep]
+    _core.count_instruction(indirect, int(np.count_nonzero(keep)) * values.dtype.itemsize)
 
 
 def memset(dst, value, engine=None, name=None):
+    _core.count_instruction()
     _tile(dst, "memset dst")
     _write(dst, np.full(dst.shape, value, dtype=np.float64 if not _core.is_int(dst.dtype) else np.int64))
 
 
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     """dst[p, i...] = offset + p * channel_multiplier + sum_d i_d * step_d, computed in int32."""
+    _core.count_instruction()
     _tile(dst, "iota dst")
     if dst.buffer is not SBUF:
         raise EmulatorError("iota writes SBUF only")
@@ -146,6 +151,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
 
 
 def tensor_copy(dst, src, engine=None, name=None):
+    _core.count_instruction()
     _tile(dst, "tensor_copy dst")
     _tile(src, "tensor_copy src")
     _same_shape(dst, src, "tensor_copy")
@@ -153,6 +159,7 @@ def tensor_copy(dst, src, engine=None, name=None):
 
 
 def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
+    _core.count_instruction()
     for t, what in ((dst, "dst"), (data1, "data1"), (data2, "data2")):
         _tile(t, f"tensor_tensor {what}")
     _same_shape(data1, data2, "tensor_tensor inputs")
@@ -169,6 +176,7 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
                   engine=None, name=None):
     """dst = (data op0 operand0) op1 operand1, operands broadcast along the free axes."""
+    _core.count_instruction()
     _tile(dst, "tensor_scalar dst")
     _tile(data, "tensor_scalar data")
     _same_shape(dst, data, "tensor_scalar")
@@ -186,6 +194,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
     """dst = (data op0 operand0) op1 operand1, operand0 broadcast, operand1 a full tile."""
+    _core.count_instruction()
     for t, what in ((dst, "dst"), (data, "data"), (operand1, "operand1")):
         _tile(t, f"scalar_tensor_tensor {what}")
     _same_shape(dst, data, "scalar_tensor_tensor")
@@ -200,6 +209,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
 
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     """Reduce the trailing free axes `axis` (never the partition axis), in fp32."""
+    _core.count_instruction()
     _tile(dst, "tensor_reduce dst")
     _tile(data, "tensor_reduce data")
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
@@ -216,6 +226,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
 
 def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
     """Along the free axis: dst[:, i] = (data0[:, i] op0 dst[:, i-1]) op1 data1[:, i], dst[:, -1] = initial."""
+    _core.count_instruction()
     for t, what in ((dst, "dst"), (data0, "data0"), (data1, "data1")):
         _tile(t, f"tensor_tensor_scan {what}")
         if t.ndim != 2:
@@ -239,6 +250,7 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False,
               is_transpose=False, accumulate=None, tile_position=(), tile_size=(), perf_mode=None, name=None):
     """dst[M, N] = stationary[K, M].T @ moving[K, N] on the Tensor Engine, fp32 in PSUM."""
+    _core.count_instruction()
     for t, what in ((stationary, "stationary"), (moving, "moving")):
         if not isinstance(t, Tensor) or t.buffer is not SBUF:
             raise EmulatorError(f"nc_matmul {what} must be an SBUF tile")
@@ -258,3 +270,31 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if dst.shape != (m, moving.shape[1]):
         raise EmulatorError(f"nc_matmul dst must be {(m, moving.shape[1])}, got {dst.shape}")
     _write(dst, (_fp32(stationary).astype(np.float64).T @ _fp32(moving).astype(np.float64)).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Registers (nki.isa.register_alloc / register_load): scalars for dynamic loop bounds and offsets.
+def register_alloc(x=None):
+    """A new virtual register, holding the int x, or unwritten when x is None."""
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer))):
+        raise EmulatorError(f"register_alloc takes an optional integer, got {type(x).__name__}")
+    return VirtualRegister(x)
+
+
+def register_load(dst, src):
+    """dst (a register) = the one (up to 32-bit) value of src, a tensor of shape [1] or [1, 1] in SBUF or HBM."""
+    _core.count_instruction()
+    if not isinstance(dst, VirtualRegister):
+        raise EmulatorError(f"register_load dst must be a register from nisa.register_alloc, got {type(dst).__name__}")
+    if not isinstance(src, Tensor) or src.buffer is PSUM:
+        raise EmulatorError("register_load src must be an SBUF or HBM tensor")
+    if src.shape not in ((1,), (1, 1)):
+        raise EmulatorError(f"register_load src must hold exactly one element (shape [1] or [1, 1]), got {src.shape}")
+    if src.dtype.itemsize > 4:
+        raise EmulatorError(f"register_load reads values of up to 32 bits, got {src.dtype}")
+    if not _core.is_int(src.dtype):
+        raise EmulatorError(f"register_load of a {src.dtype} value is not emulated; load an integer tile")
+    value = src.array.reshape(-1)[0]
+    if value == _core.poison((1,), src.dtype)[0]:
+        raise EmulatorError("register_load reads memory that was never written")
+    dst._value = int(value)

@@ -81,3 +81,25 @@ def sequential_range(*args):
 
 def static_range(*args):
     return range(*args)
+
+
+def dynamic_range(start, stop=None, step=1):
+    """A loop run by the device: bounds are ints or VirtualRegisters, read when the loop starts;
+    step a compile-time positive int. The loop variable is a register (usable as a scalar_offset,
+    not as a Python int), and every iteration ends in an all-engine barrier (counted)."""
+    if stop is None:
+        start, stop = 0, start
+    if isinstance(step, _core.VirtualRegister) or isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise _core.EmulatorError(f"dynamic_range step must be a compile-time positive int, got {step!r}")
+
+    def bound(b, what):
+        if isinstance(b, _core.VirtualRegister):
+            return b.value(f"dynamic_range {what}")
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+            raise _core.EmulatorError(f"dynamic_range {what} must be an int or a VirtualRegister, got {type(b).__name__}")
+        return int(b)
+
+    lo, hi = bound(start, "start"), bound(stop, "stop")
+    for i in range(lo, hi, step):
+        _core.current_cost().dynamic_iterations += 1
+        yield _core.VirtualRegister(i)

@@ -1,0 +1,209 @@
+"""The NKI target's host side, written once for every variant: conversion and kernel launches.
+
+A generated NKI module hands its `@nki.jit` kernels to `NkiBackend`; `permgen.ops` checks arguments
+and adds autograd on top, exactly as for Triton. On a CPU host the kernels run through
+`nki.simulate`: torch CPU tensors go in as NumPy arrays (bfloat16 and fp8 as ml_dtypes arrays) and
+the outputs come back as torch tensors. Where the real `nki` package (AWS Neuron) does not import,
+the repository's NumPy emulator (`nki_emulator`) stands in for it.
+
+Static sizes: every size that shapes a kernel is a Python int. With `num_out_tokens` given, permute
+passes it as the row count and reads nothing back from the device; without it, the one read back is
+the row count (the sum of the expert counts), which the output's shape needs (as on Triton).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Callable, NamedTuple, Optional
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from .contract import FP8_DTYPES, combine_dtype
+from .results import RowIdMap
+
+# The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
+# columns), and row numbers are computed exactly in fp32.
+MAX_EXPERTS = 512
+MAX_ROWS = 1 << 24
+
+
+def ensure_nki() -> None:
+    """Make `import nki` work: the real package, or where it is absent the repository's CPU emulator."""
+    if "nki" in sys.modules or importlib.util.find_spec("nki") is not None:
+        return
+    try:
+        import nki_emulator
+    except ImportError as err:
+        raise ImportError("the nki target needs the `nki` package (AWS Neuron pip index) or the nki_emulator "
+                          "package of the permgen repository on sys.path") from err
+    nki_emulator.install()
+
+
+ensure_nki()
+
+
+class NkiKernels(NamedTuple):
+    """One variant's kernels (the probs kernels only in variants with probs) and how to run them."""
+
+    expert_counts: Callable
+    permute: Callable
+    sum_routes: Callable
+    scatter_routes: Callable
+    unpermute: Optional[Callable] = None
+    permute_backward: Optional[Callable] = None
+    unpermute_backward: Optional[Callable] = None
+    simulate: Optional[Callable] = None  # nki.simulate of the `nki` the kernels were defined with
+
+
+# torch dtypes NumPy lacks: moved as raw words and viewed as ml_dtypes.
+_VIEWS = {torch.bfloat16: (torch.int16, np.int16, ml_dtypes.bfloat16),
+          torch.float8_e4m3fn: (torch.uint8, np.uint8, ml_dtypes.float8_e4m3fn),
+          torch.float8_e5m2: (torch.uint8, np.uint8, ml_dtypes.float8_e5m2)}
+_FROM_NUMPY = {np.dtype(np_dtype): (torch_dtype, word) for torch_dtype, (_, word, np_dtype) in _VIEWS.items()}
+
+
+def to_kernel(t: torch.Tensor) -> np.ndarray:
+    """A kernel argument: the tensor's data as a NumPy array (what nki.simulate takes)."""
+    t = t.detach().contiguous()
+    if t.dtype in _VIEWS:
+        word, _, np_dtype = _VIEWS[t.dtype]
+        return t.view(word).numpy().view(np_dtype)
+    return t.numpy()
+
+
+def from_kernel(a: np.ndarray) -> torch.Tensor:
+    """A kernel output as a torch tensor (no values are inspected)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype in _FROM_NUMPY:
+        torch_dtype, word = _FROM_NUMPY[a.dtype]
+        return torch.from_numpy(a.view(word)).view(torch_dtype)
+    return torch.from_numpy(a)
+
+
+class NkiBackend:
+    """Converts and launches one variant's kernels (see permgen.ops for the interface)."""
+
+    def __init__(self, variant: dict, kernels: NkiKernels):
+        self.variant = variant
+        self.kernels = kernels
+        self.name = variant["name"]
+        self.mask = variant["routing"] == "mask"
+        self.fp8 = variant["dtype"] in FP8_DTYPES
+        self.combine_dtype = combine_dtype(variant)
+
+    def check_device(self, tokens):
+        if tokens.device.type != "cpu":
+            raise ValueError(f"{self.name}: tokens are on {tokens.device}; the nki target runs kernels through "
+                             "nki.simulate on CPU tensors")
+
+    def row_id_map(self, row_map, routing, plan, num_rows):
+        return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
+
+    # -- launches -------------------------------------------------------------------------------
+
+    def _run(self, kernel, *args, **static):
+        """kernel(*args, **static) through nki.simulate: tensors in, tensors out; static sizes are ints."""
+        outs = self.kernels.simulate(kernel)(*(to_kernel(a) for a in args), **static)
+        if isinstance(outs, (tuple, list)):
+            return tuple(from_kernel(o) for o in outs)
+        return from_kernel(outs)
+
+    def _read_back(self, counts: torch.Tensor) -> int:
+        """The one device -> host read of the NKI target: the row count, when num_out_tokens is not given."""
+        return int(counts.sum())
+
+    def _route_words(self, num_tokens, width):
+        return (2 * width + 1) * num_tokens if self.mask else width * num_tokens
+
+    @staticmethod
+    def _sizes(row_id_map):
+        return dict(num_tokens=row_id_map.num_tokens, width=row_id_map.width, num_experts=row_id_map.num_experts)
+
+    # -- ops --------------------------------------------------------------------------------------
+
+    def permute(self, plan, tokens, routing, probs, scale):
+        """One launch (two without num_out_tokens: the expert counts first, then one read back)."""
+        num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"{self.name}: the nki target supports at most {MAX_EXPERTS} experts, got {num_experts}")
+        if num_tokens * width >= MAX_ROWS:
+            raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} routes, got N * W = "
+                             f"{num_tokens * width}")
+        if self.mask:
+            routing = (routing != 0).to(torch.int32)
+        else:  # ids outside [0, E) route nowhere; clamping keeps them outside while fitting int32
+            routing = routing.clamp(-1, num_experts).to(torch.int32)
+        num_rows = plan.num_out_tokens
+        if num_rows is None:
+            num_rows = 0
+            if num_tokens:
+                counts = self._run(self.kernels.expert_counts, routing, num_experts=num_experts, width=width)
+                num_rows = self._read_back(counts)
+        if num_rows >= MAX_ROWS:
+            raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} permuted rows, got {num_rows}")
+        route_words = self._route_words(num_tokens, width)
+        if num_tokens == 0:  # no routes: empty segments, zero rows
+            out = torch.zeros((num_rows, hidden), dtype=tokens.dtype)
+            out_probs = None if probs is None else torch.zeros(num_rows, dtype=probs.dtype)
+            out_scale = None if scale is None else torch.zeros((num_rows, scale.shape[1]), dtype=scale.dtype)
+            row_map = torch.zeros(route_words + 2 * num_experts + 1, dtype=torch.int32)
+            return out, out_probs, out_scale, torch.zeros(num_experts, dtype=torch.int64), row_map, num_rows
+        if hidden == 0:  # kernels take no empty tensors: move a zero column, return none
+            tokens = torch.zeros((num_tokens, 1), dtype=tokens.dtype)
+            scale = None if scale is None else torch.zeros((num_tokens, 1), dtype=scale.dtype)
+        args = [tokens, routing] + [t for t in (probs, scale) if t is not None]
+        outs = list(self._run(self.kernels.permute, *args, num_experts=num_experts, width=width,
+                              num_out_tokens=num_rows))
+        out = outs.pop(0)[:num_rows, :hidden]
+        out_probs = None if probs is None else outs.pop(0)[:num_rows]
+        out_scale = None if scale is None else outs.pop(0)[:num_rows, :0 if hidden == 0 else None]
+        row_map, tokens_per_expert = outs
+        return out, out_probs, out_scale, tokens_per_expert.reshape(-1).to(torch.int64), row_map, num_rows
+
+    def _sum_routes(self, row_id_map, rows_in):
+        num_tokens, hidden = row_id_map.num_tokens, rows_in.shape[1]
+        if num_tokens == 0 or hidden == 0 or rows_in.shape[0] == 0:
+            return torch.zeros((num_tokens, hidden), dtype=rows_in.dtype)
+        return self._run(self.kernels.sum_routes, rows_in, row_id_map.row_map, **self._sizes(row_id_map))
+
+    def unpermute(self, row_id_map, permuted, merging_probs):
+        if merging_probs is None:
+            return self._sum_routes(row_id_map, permuted)
+        num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
+        if num_tokens == 0 or hidden == 0 or permuted.shape[0] == 0:
+            return torch.zeros((num_tokens, hidden), dtype=permuted.dtype)
+        return self._run(self.kernels.unpermute, permuted, row_id_map.row_map, merging_probs,
+                         **self._sizes(row_id_map))
+
+    def permute_backward(self, row_id_map, grad_out, grad_out_probs, probs_meta):
+        if grad_out_probs is None:
+            return self._sum_routes(row_id_map, grad_out.contiguous()), None
+        num_tokens, num_rows = row_id_map.num_tokens, row_id_map.num_rows
+        shape, dtype = probs_meta
+        hidden = 0 if grad_out is None else grad_out.shape[1]
+        if num_tokens == 0 or num_rows == 0:
+            grad_tokens = None if grad_out is None else torch.zeros((num_tokens, hidden), dtype=grad_out.dtype)
+            return grad_tokens, torch.zeros(shape, dtype=dtype)
+        # One launch for both; without a token gradient (or columns) a zero column stands in.
+        rows_in = grad_out if hidden else torch.zeros(
+            (num_rows, 1), dtype=self.combine_dtype if grad_out is None else grad_out.dtype)
+        grad_tokens, grad_probs = self._run(self.kernels.permute_backward, rows_in, row_id_map.row_map,
+                                            grad_out_probs, **self._sizes(row_id_map))
+        return (None if grad_out is None else grad_tokens[:, :hidden]), grad_probs.to(dtype)
+
+    def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs):
+        num_tokens, num_rows, hidden = row_id_map.num_tokens, row_id_map.num_rows, grad_out.shape[1]
+        empty = num_tokens == 0 or num_rows == 0 or hidden == 0
+        if merging_probs is None:
+            if empty:
+                return torch.zeros((num_rows, hidden), dtype=grad_out.dtype), None
+            return self._run(self.kernels.scatter_routes, grad_out, row_id_map.row_map, num_rows=num_rows,
+                             **self._sizes(row_id_map)), None
+        if empty:  # no routes, or dot products over no columns
+            return (torch.zeros((num_rows, hidden), dtype=grad_out.dtype),
+                    torch.zeros(merging_probs.shape, dtype=merging_probs.dtype))
+        return self._run(self.kernels.unpermute_backward, grad_out, permuted, row_id_map.row_map, merging_probs,
+                         **self._sizes(row_id_map))
