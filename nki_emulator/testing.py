@@ -61,7 +61,7 @@ _cache: dict = {}
 
 
 def load_variant(name: str, backend: str):
-    """generated.nki.<name> running on the emulator or on the real nki.simulate."""
+    """permgen.generated.nki.<name> running on the emulator or on the real nki.simulate."""
     if (name, backend) in _cache:
         return _cache[(name, backend)]
     if backend == "emulator" and REAL_NKI:
@@ -74,6 +74,6 @@ def load_variant(name: str, backend: str):
     else:
         if backend == "emulator":
             install()
-        module = importlib.import_module(f"generated.nki.{name}")
+        module = importlib.import_module(f"permgen.generated.nki.{name}")
     _cache[(name, backend)] = module
     return module

@@ -1,4 +1,5 @@
-"""permute_a2av, the NKI expert-parallel dispatch, on EP ranks of the emulator's multi-rank driver.
+"""permute_a2av (permgen.nki_a2av), the NKI expert-parallel dispatch, on EP ranks of the emulator's
+multi-rank driver.
 
 Each rank packs its routed rows by destination rank and the ranks exchange them through
 ncc.all_to_all_v. The reference concatenates, on every rank, the segments each source rank sends
@@ -8,24 +9,26 @@ it, in source order, then zero rows up to the capacity; metadata is checked to t
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
 
-import generated
-from nki_emulator import EmulatorError, jit, run_ranks
-from nki_emulator.collectives import ReplicaGroup
-from nki_emulator.testing import bits, load_variant, to_numpy, to_torch
+import nki_emulator
 
-NKI_VARIANTS = sorted(name for name, spec in generated.VARIANTS.items() if "nki" in spec["targets"])
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-DEEP = ["probs_bf16_mask", "probs_fp32_index", "probs_pad32_fp8e4m3_mx32_index"]
+nki_emulator.install()
+
+from cases import bits, load, stable_seed, variants_for  # noqa: E402
+from nki_emulator import EmulatorError, jit, run_ranks  # noqa: E402
+from nki_emulator.collectives import ReplicaGroup  # noqa: E402
+from permgen import contract, nki_a2av  # noqa: E402
+from permgen.nki_a2av import permute_a2av  # noqa: E402
+from permgen.nki_host import from_kernel, to_kernel  # noqa: E402
+
+TORCH_DTYPES = {d: getattr(torch, n) for d, n in contract.TOKEN_DTYPE_NAMES.items()}
+DEEP = ["bf16", "fp32", "fp8_e4m3"]  # token dtypes the deep tests run (the kernel depends on no other axis)
 
 
-def make_rank_inputs(spec, ep, seed, hidden=72, top_k=2, experts_per_rank=2, empty_rank=None, silent_pairs=()):
+def make_rank_inputs(dtype, ep, seed, hidden=72, top_k=2, experts_per_rank=2, empty_rank=None, silent_pairs=()):
     """Per rank: routed rows (one per token slot), their destination-major packing and counts.
 
     Tokens pick top_k distinct experts; expert e lives on rank e // experts_per_rank. A rank in
@@ -42,7 +45,7 @@ def make_rank_inputs(spec, ep, seed, hidden=72, top_k=2, experts_per_rank=2, emp
                 scores[:, dst * experts_per_rank:(dst + 1) * experts_per_rank] = -1.0
         experts = scores.topk(top_k, dim=1).indices  # distinct experts per token
         dest = (experts // experts_per_rank).reshape(-1)
-        tokens = (torch.randn(num_tokens, hidden, generator=gen) * 4).to(TORCH_DTYPES[spec["dtype"]])
+        tokens = (torch.randn(num_tokens, hidden, generator=gen) * 4).to(TORCH_DTYPES[dtype])
         rows = tokens.repeat_interleave(top_k, dim=0)  # routed rows: token t's slots are rows t*k .. t*k+k-1
         order = torch.sort(dest, stable=True).indices.to(torch.int32)
         counts = torch.bincount(dest, minlength=ep).to(torch.int32)[None]
@@ -75,11 +78,11 @@ def reference(ranks, ep, hidden, capacity, group=None):
     return out
 
 
-def run_dispatch(module, ranks, capacity, group=None):
+def run_dispatch(ranks, capacity, group=None):
     ep = len(ranks)
     replica_group = ReplicaGroup(group or [list(range(ep))])
-    args = [(to_numpy(rows), order.numpy(), counts.numpy(), capacity, replica_group) for rows, order, counts, _ in ranks]
-    return run_ranks(module.permute_a2av, args)
+    args = [(to_kernel(rows), order.numpy(), counts.numpy(), capacity, replica_group) for rows, order, counts, _ in ranks]
+    return run_ranks(permute_a2av, args)
 
 
 def check(results, want, hidden):
@@ -87,52 +90,52 @@ def check(results, want, hidden):
         want_recv, want_meta, received = want[rank]
         assert meta.dtype == np.uint32 and meta.shape == want_meta.shape
         np.testing.assert_array_equal(meta, want_meta)
-        got = to_torch(recv)
+        got = from_kernel(recv)
         assert got.shape == want_recv.shape
         assert torch.equal(bits(got), bits(want_recv)), f"rank {rank}"
         # Deterministic padding: every row past what arrived is exact (+0.0) zeros.
         assert not bits(got)[received:].any()
 
 
-@pytest.mark.parametrize("name", DEEP)
+@pytest.mark.parametrize("dtype", DEEP)
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_permute_a2av_matches_reference(name, ep, seed):
-    module = load_variant(name, "emulator")
-    spec = module.VARIANT
+def test_permute_a2av_matches_reference(dtype, ep, seed):
     # Uneven counts including zeros: one rank without tokens (seed 1), a source that skips a peer (seed 2).
     empty = 1 if seed == 1 else None
     silent = [(0, ep - 1), (ep - 1, 0)] if seed == 2 else []
-    ranks, capacity = make_rank_inputs(spec, ep, zlib.crc32(f"{name}/{ep}/{seed}".encode()), empty_rank=empty,
+    ranks, capacity = make_rank_inputs(dtype, ep, stable_seed(dtype, ep, seed), empty_rank=empty,
                                        silent_pairs=silent)
     want = reference(ranks, ep, 72, capacity)
     if silent:
         assert want[ep - 1][1][2, 0] == 0 and want[0][1][2, ep - 1] == 0
-    check(run_dispatch(module, ranks, capacity), want, 72)
+    check(run_dispatch(ranks, capacity), want, 72)
 
 
-@pytest.mark.parametrize("name", NKI_VARIANTS)
-def test_every_variant_dispatches(name):
-    module = load_variant(name, "emulator")
-    ranks, capacity = make_rank_inputs(module.VARIANT, 2, zlib.crc32(name.encode()), hidden=40)
-    check(run_dispatch(module, ranks, capacity), reference(ranks, 2, 40, capacity), 40)
+@pytest.mark.parametrize("dtype", contract.DTYPES)
+def test_every_token_dtype_dispatches(dtype):
+    ranks, capacity = make_rank_inputs(dtype, 2, stable_seed(dtype), hidden=40)
+    check(run_dispatch(ranks, capacity), reference(ranks, 2, 40, capacity), 40)
+
+
+@pytest.mark.parametrize("name", variants_for("nki"))
+def test_generated_modules_reexport_the_one_kernel(name):
+    assert load("nki", name).permute_a2av is permute_a2av
 
 
 def test_exact_capacity_and_hidden_tiles(monkeypatch):
     """Capacity equal to the busiest rank's rows; H split across SBUF tiles with a partial last one."""
-    module = load_variant(DEEP[0], "emulator")
-    monkeypatch.setattr(module, "H_TILE", 64)
-    ranks, _ = make_rank_inputs(module.VARIANT, 4, 11, hidden=200, top_k=3)
+    monkeypatch.setattr(nki_a2av, "H_TILE", 64)
+    ranks, _ = make_rank_inputs(DEEP[0], 4, 11, hidden=200, top_k=3)
     loose = reference(ranks, 4, 200, 10 ** 4)
     capacity = max(received for *_, received in loose.values())
-    check(run_dispatch(module, ranks, capacity), reference(ranks, 4, 200, capacity), 200)
+    check(run_dispatch(ranks, capacity), reference(ranks, 4, 200, capacity), 200)
 
 
 def test_strided_rank_lists():
     """Four ranks in two independent EP=2 rank-lists [[0, 2], [1, 3]]."""
-    module = load_variant(DEEP[0], "emulator")
     group = [[0, 2], [1, 3]]
-    ranks, capacity = make_rank_inputs(module.VARIANT, 4, 5, experts_per_rank=4)
+    ranks, capacity = make_rank_inputs(DEEP[0], 4, 5, experts_per_rank=4)
     # Re-route for EP=2: each rank's rows go to position 0 or 1 of its own rank-list.
     gen = torch.Generator().manual_seed(6)
     rerouted = []
@@ -141,42 +144,42 @@ def test_strided_rank_lists():
         rerouted.append((rows, torch.sort(dest, stable=True).indices.to(torch.int32),
                          torch.bincount(dest, minlength=2).to(torch.int32)[None], n))
     capacity = sum(r[0].shape[0] for r in rerouted)
-    check(run_dispatch(module, rerouted, capacity, group), reference(rerouted, 4, 72, capacity, group), 72)
+    check(run_dispatch(rerouted, capacity, group), reference(rerouted, 4, 72, capacity, group), 72)
 
 
 def test_receive_capacity_overflow_is_an_error():
-    module = load_variant(DEEP[0], "emulator")
-    ranks, _ = make_rank_inputs(module.VARIANT, 2, 3)
+    ranks, _ = make_rank_inputs(DEEP[0], 2, 3)
     busiest = max(received for *_, received in reference(ranks, 2, 72, 10 ** 4).values())
     with pytest.raises(EmulatorError, match="receive capacity exceeded"):
-        run_dispatch(module, ranks, busiest - 1)
+        run_dispatch(ranks, busiest - 1)
 
 
 def test_bad_counts_and_indices():
-    module = load_variant(DEEP[0], "emulator")
-    ranks, capacity = make_rank_inputs(module.VARIANT, 2, 4)
+    ranks, capacity = make_rank_inputs(DEEP[0], 2, 4)
     rows, order, counts, _ = ranks[0]
     group = ReplicaGroup([[0, 1]])
-    args = (to_numpy(rows), order.numpy(), counts.numpy(), capacity, group)
+    args = (to_kernel(rows), order.numpy(), counts.numpy(), capacity, group)
     bad = counts.numpy().copy()
     bad[0, 0] += 1
     with pytest.raises(ValueError, match="must sum to"):
-        module.permute_a2av(args[0], args[1], bad, capacity, group)
+        permute_a2av(args[0], args[1], bad, capacity, group)
     with pytest.raises(ValueError, match="non-negative"):
-        module.permute_a2av(args[0], args[1], np.array([[-1, rows.shape[0] + 1]], dtype=np.int32), capacity, group)
+        permute_a2av(args[0], args[1], np.array([[-1, rows.shape[0] + 1]], dtype=np.int32), capacity, group)
     out_of_range = order.numpy().copy()
     out_of_range[0] = rows.shape[0]
     with pytest.raises(ValueError, match=r"must lie in \[0,"):
-        module.permute_a2av(args[0], out_of_range, args[2], capacity, group)
-    with pytest.raises(TypeError, match="bfloat16"):
-        module.permute_a2av(rows.float().numpy(), args[1], args[2], capacity, group)
+        permute_a2av(args[0], out_of_range, args[2], capacity, group)
+    with pytest.raises(TypeError, match="must be a NumPy array"):
+        permute_a2av(rows, args[1], args[2], capacity, group)
+    with pytest.raises(TypeError, match="int32 or uint32"):
+        permute_a2av(args[0], args[1], args[2].astype(np.int64), capacity, group)
     with pytest.raises(ValueError, match="recv_capacity"):
-        module.permute_a2av(args[0], args[1], args[2], 0, group)
+        permute_a2av(args[0], args[1], args[2], 0, group)
 
     # Past the host checks, the kernel itself is strict: counts beyond the rows, indices out of range.
-    kernel = getattr(module, f"{DEEP[0]}_permute_a2av")
+    kernel = nki_a2av.permute_a2av_kernel
     other = ranks[1]
-    peer = (to_numpy(other[0]), other[1].numpy(), other[2].numpy(), capacity, group)
+    peer = (to_kernel(other[0]), other[1].numpy(), other[2].numpy(), capacity, group)
     with pytest.raises(EmulatorError, match="past the end of its"):
         run_ranks(kernel, [(args[0], args[1], bad, capacity, group), peer])
     with pytest.raises(EmulatorError, match="out of bounds"):
@@ -185,7 +188,7 @@ def test_bad_counts_and_indices():
 
 def test_metadata_elements_are_exact_past_fp32():
     """rows * H beyond 2^24 (fp32's exact integers) still comes out exact."""
-    module = load_variant(DEEP[0], "emulator")
+    module = nki_a2av
     rows = np.array([[499_999, 3, 131_071, 0]], dtype=np.float32)
 
     def body(counts):

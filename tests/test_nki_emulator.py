@@ -403,3 +403,145 @@ def test_driver_rules():
         run_ranks(sbuf_source, [(0,), (1,)])
     with pytest.raises(EmulatorError, match="overlap"):
         ncc.ReplicaGroup([[0, 1], [1, 2]])
+
+
+# --- registers, dynamic loops, scalar offsets (nki-dynamic-loops deep dive; nki.isa.register_alloc,
+# register_load; nki.language.dynamic_range; NKI access patterns: scalar_offset) --------------------
+def _bound_from(a):
+    """A register loaded from the first element of an int32 HBM tensor, through SBUF."""
+    tile = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=a.ap([[1, 1], [1, 1]], offset=0))
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, tile)
+    return reg
+
+
+def test_dynamic_range_runs_a_device_loop_with_a_register_bound():
+    def body(bound, rows):
+        out = nl.ndarray((4, 3), dtype=nl.float32, buffer=nl.shared_hbm)
+        zeros = nl.ndarray((4, 3), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(zeros, value=0.0)
+        nisa.dma_copy(dst=out, src=zeros)
+        for i in nl.dynamic_range(_bound_from(bound)):
+            row = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row, src=rows.ap([[3, 1], [1, 3]], offset=0, scalar_offset=i, indirect_dim=0))
+            nisa.dma_copy(dst=out.ap([[3, 1], [1, 3]], offset=0, scalar_offset=i, indirect_dim=0), src=row)
+        return out
+
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)
+    with nki_emulator.recording() as runs:
+        got = run(body, np.array([3], dtype=np.int32), rows)
+    np.testing.assert_array_equal(got[:3], rows[:3])
+    assert not got[3].any()
+    assert runs[0].dynamic_iterations == 3 and runs[0].indirect_dmas == 0
+
+
+def test_scalar_offset_on_a_free_dimension_moves_by_its_step():
+    def body(a):
+        out = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.shared_hbm)
+        col = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
+        for j in nl.dynamic_range(2, 3):
+            nisa.dma_copy(dst=col, src=a.ap([[4, 2], [1, 1]], offset=0, scalar_offset=j, indirect_dim=1))
+        nisa.dma_copy(dst=out, src=col)
+        return out
+
+    a = np.arange(8, dtype=np.int32).reshape(2, 4)
+    np.testing.assert_array_equal(run(body, a), a[:, 2:3])
+
+
+def test_a_loop_register_is_not_a_python_int():
+    def slices_with_it(a):
+        tile = nl.ndarray((2, 4), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a)
+        for j in nl.dynamic_range(2):
+            nisa.memset(tile[0:2, j:j + 1], value=0)
+        return a
+
+    def branches_on_it(a):
+        for j in nl.dynamic_range(2):
+            if j == 0:
+                pass
+        return a
+
+    a = np.zeros((2, 4), dtype=np.int32)
+    for body in (slices_with_it, branches_on_it):
+        with pytest.raises(EmulatorError, match="host-side Python"):
+            run(body, a)
+    with pytest.raises(EmulatorError, match="host-side Python"):
+        run(lambda a: [range(nisa.register_alloc(3))], a)
+
+
+def test_dynamic_range_step_is_a_compile_time_int():
+    def body(a):
+        for _ in nl.dynamic_range(0, 4, nisa.register_alloc(2)):
+            pass
+        return a
+
+    with pytest.raises(EmulatorError, match="step must be a compile-time positive int"):
+        run(body, np.zeros((1, 1), dtype=np.int32))
+
+
+def test_register_load_rules():
+    a = np.zeros((2, 2), dtype=np.int32)
+
+    def loads(shape, dtype, buffer=nl.sbuf, write=True):
+        def body(a):
+            src = nl.ndarray(shape, dtype=dtype, buffer=buffer)
+            if write:
+                nisa.memset(src, value=1)
+            nisa.register_load(nisa.register_alloc(), src)
+            return a
+        return body
+
+    with pytest.raises(EmulatorError, match="exactly one element"):
+        run(loads((2, 1), nl.int32), a)
+    with pytest.raises(EmulatorError, match="never written"):
+        run(loads((1, 1), nl.int32, write=False), a)
+    with pytest.raises(EmulatorError, match="SBUF or HBM"):
+        run(loads((1, 1), nl.float32, buffer=nl.psum, write=False), a)
+    with pytest.raises(EmulatorError, match="never written"):
+        run(lambda a: [nl.dynamic_range(nisa.register_alloc()).__next__()], a)
+
+
+def test_scalar_offset_rules():
+    a = np.zeros((4, 4), dtype=np.int32)
+
+    def both_offsets(a):
+        idx = nl.ndarray((4, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(idx, value=0)
+        a.ap([[4, 4], [1, 4]], offset=0, scalar_offset=nisa.register_alloc(0), vector_offset=idx)
+        return a
+
+    def past_the_end(a):
+        tile = nl.ndarray((2, 4), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, scalar_offset=nisa.register_alloc(3), indirect_dim=0))
+        return a
+
+    with pytest.raises(EmulatorError, match="at most one of scalar_offset and vector_offset"):
+        run(both_offsets, a)
+    with pytest.raises(EmulatorError, match="leaves"):
+        run(past_the_end, a)
+
+
+# --- cost counters ---------------------------------------------------------------------------
+def test_costs_count_instructions_indirect_dmas_and_bytes():
+    def body(a, idx):
+        out = nl.ndarray((4, 8), dtype=a.dtype, buffer=nl.shared_hbm)
+        rows = nl.ndarray((4, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=idx)  # 16 bytes
+        tile = nl.ndarray((4, 8), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.memset(tile, value=0.0)
+        # indirect gather: lane 2 is out of bounds and skipped, so 3 rows of 16 bytes move
+        nisa.dma_copy(dst=tile, src=a.ap([[8, 4], [1, 8]], offset=0, vector_offset=rows, indirect_dim=0),
+                      oob_mode=nisa.oob_mode.skip)
+        nisa.tensor_copy(dst=tile, src=tile)
+        nisa.dma_copy(dst=out, src=tile)  # 64 bytes
+        return out
+
+    a = np.ones((4, 8), dtype=np.float16)
+    with nki_emulator.recording() as runs:
+        run(body, a, np.array([[0], [3], [9], [1]], dtype=np.int32))
+        run(copy_through_sbuf, np.zeros((2, 2), dtype=np.float32))
+    first, second = runs
+    assert (first.kernel, first.instructions, first.indirect_dmas, first.dma_bytes) == ("body", 5, 1, 16 + 48 + 64)
+    assert (second.instructions, second.indirect_dmas, second.dma_bytes) == (2, 0, 32)

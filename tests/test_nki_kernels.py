@@ -1,280 +1,247 @@
-"""Every generated NKI variant against the plain-PyTorch reference (tests/reference.py).
+"""Every generated NKI variant against the plain-PyTorch reference, forward and backward.
 
-Each kernel runs in the NumPy emulator (strict: poisoned fresh memory, hardware tile limits,
-indirect DMA bounds) and, where the real `nki` package imports, under nki.simulate as well.
-Moved data must match bit for bit; only sums get tolerances.
+The public functions (`mod.permute`, `mod.unpermute`, gradients through torch.autograd) take torch
+CPU tensors; permgen.nki_host runs the `@nki.jit` kernels through nki.simulate -- the NumPy
+emulator here (strict: poisoned fresh memory, hardware tile limits, indirect DMA bounds), or the
+real simulator where `nki` imports. Moved data must match bit for bit; only sums get tolerances.
+Kernel-level tests call the kernels directly with NumPy arrays. Shapes are small: the emulator
+runs every instruction in Python.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import zlib
 
 import numpy as np
 import pytest
 import torch
 
-import generated
-from nki_emulator.testing import BACKENDS, NO_REAL_NKI, REAL_NKI, bits, load_variant, to_numpy, to_torch
-from tests.reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
+import nki_emulator
+from cases import (
+    CASES,
+    Case,
+    check_permute,
+    check_permute_backward,
+    check_unpermute,
+    expert_ids,
+    generator_for,
+    load,
+    make_inputs,
+    make_tokens,
+    needed_rows,
+    num_out_tokens_for,
+    rows_by_column_ref,
+    routing_from_ids,
+    variants_for,
+)
+from permgen import nki_host
+from reference import plan_routes
 
-NKI_VARIANTS = sorted(name for name, spec in generated.VARIANTS.items() if "nki" in spec["targets"])
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-SUM_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    num_tokens: int
-    hidden: int
-    num_experts: int
-    top_k: int
-    drop: bool = False  # cap num_out_tokens below the rows the routes need
-
-    def __str__(self):
-        return f"N{self.num_tokens}-H{self.hidden}-E{self.num_experts}-k{self.top_k}{'-drop' if self.drop else ''}"
-
-
-CASES = [
-    Case(0, 64, 4, 2),
-    Case(1, 200, 7, 5),
-    Case(130, 300, 7, 5),
-    Case(257, 200, 7, 3, drop=True),
-]
+NKI_VARIANTS = variants_for("nki")
+CPU = torch.device("cpu")
 
 
-def backend_param(backend):
-    marks = [] if backend == "emulator" or REAL_NKI else [pytest.mark.skip(reason=NO_REAL_NKI)]
-    return pytest.param(backend, marks=marks, id=backend)
+def _with(**axes):
+    return next(n for n in NKI_VARIANTS if all(load("nki", n).VARIANT[k] == v for k, v in axes.items()))
 
 
-parametrize_backend = pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
-parametrize_variant = pytest.mark.parametrize("name", NKI_VARIANTS)
-parametrize_case = pytest.mark.parametrize("case", CASES, ids=str)
+def inputs_and_cap(mod, case, g):
+    tokens, routing, probs, scale = make_inputs(mod.VARIANT, case, CPU, g)
+    return (tokens, routing, probs, scale), num_out_tokens_for(case, needed_rows(mod.VARIANT, routing, case.E))
 
 
-@dataclasses.dataclass
-class Inputs:
-    spec: dict
-    tokens: torch.Tensor
-    routing: torch.Tensor
-    probs: torch.Tensor | None
-    scale: torch.Tensor | None
-    num_out_tokens: int | None
+def probs_shape(mod, case):
+    return (case.N, case.E if mod.VARIANT["routing"] == "mask" else case.k)
 
 
-def make_inputs(spec: dict, case: Case, seed: int) -> Inputs:
-    """Fresh random inputs; index routing includes ids outside [0, E) and repeated experts."""
-    gen = torch.Generator().manual_seed(seed)
-    n, h, e = case.num_tokens, case.hidden, case.num_experts
-    dtype = TORCH_DTYPES[spec["dtype"]]
-    tokens = (torch.randn(n, h, generator=gen) * 4).to(dtype)
-    if spec["routing"] == "index":
-        routing = torch.randint(-1, e + 1, (n, case.top_k), generator=gen)
+def hints(name):
+    """Mask variants run without and with the topk hint (device loop vs unrolled slots); index routing has no hint."""
+    return [None, "k"] if load("nki", name).VARIANT["routing"] == "mask" else [None]
+
+
+PARAMS = [pytest.param(name, case, hint, id=f"{name}-{case}-topk{'=k' if hint else ':none'}")
+          for name in NKI_VARIANTS for case in CASES for hint in hints(name)]
+
+
+@pytest.mark.parametrize("name,case,hint", PARAMS)
+def test_permute_unpermute_and_grads(name, case, hint, request):
+    """permute (rows, probs, scales, segment sizes, the row map's routes), unpermute with and
+    without merging probs, and the gradients of both, against tests/reference.py."""
+    mod = load("nki", name)
+    g = generator_for(request)
+    inputs, cap = inputs_and_cap(mod, case, g)
+    topk = case.k if hint else None
+    res, routes = check_permute(mod, *inputs, num_experts=case.E, num_out_tokens=cap, topk=topk)
+    assert res.row_id_map.width == (case.k if hint or mod.VARIANT["routing"] == "index" else case.E)
+    check_unpermute(mod, "nki", res, routes, probs_shape(mod, case), g)
+    if mod.VARIANT["probs"]:
+        check_unpermute(mod, "nki", res, routes, probs_shape(mod, case), g, merge=False)
+    check_permute_backward(mod, *inputs, num_experts=case.E, num_out_tokens=cap, generator=g, topk=topk)
+
+
+@pytest.mark.parametrize("name", [_with(routing="mask", pad=0, dtype="bf16"), _with(routing="mask", scale="block128")])
+def test_topk_hint_below_the_routes_drops_the_later_experts(name, request):
+    """With a topk hint smaller than a token's routes (and no check), its experts past the first
+    topk (ascending) have no row: the same as routing only those first topk experts."""
+    mod = load("nki", name)
+    g = generator_for(request)
+    n, e, k, topk = 45, 6, 4, 2
+    routing = routing_from_ids(mod.VARIANT, expert_ids(n, e, k, g), e)
+    kept = routing & (routing.cumsum(1) <= topk)
+    tokens = make_tokens(mod.VARIANT, n, 40, g)
+    probs = torch.rand(n, e, generator=g)
+    scale = None if mod.VARIANT["scale"] == "none" else torch.rand(n, 1, generator=g)
+    res = mod.permute(tokens, routing, probs, scale, topk=topk, check_routing=False)
+    want = mod.permute(tokens, kept, probs, scale)
+    assert torch.equal(res.tokens.view(torch.uint8), want.tokens.view(torch.uint8))
+    assert torch.equal(res.tokens_per_expert, want.tokens_per_expert)
+    assert torch.equal(res.row_id_map.rows_by_column(), want.row_id_map.rows_by_column())
+    assert torch.equal(res.row_id_map.route_counts, kept.sum(1).int())
+
+
+@pytest.mark.parametrize("name", [_with(routing="mask", pad=0, dtype="bf16"), _with(routing="index", probs=True, pad=16)])
+def test_hidden_split_across_tiles(name, monkeypatch, request):
+    """H wider than one SBUF tile: every kernel's column-block loop and its partial last block."""
+    mod = load("nki", name)
+    monkeypatch.setattr(mod, "H_TILE", 128)
+    case = Case("wide", N=140, H=300, E=7, k=3, cap="drop")
+    g = generator_for(request)
+    inputs, cap = inputs_and_cap(mod, case, g)
+    res, routes = check_permute(mod, *inputs, num_experts=case.E, num_out_tokens=cap)
+    check_unpermute(mod, "nki", res, routes, probs_shape(mod, case), g)
+    check_permute_backward(mod, *inputs, num_experts=case.E, num_out_tokens=cap, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static sizes: nothing read back when num_out_tokens is given
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [_with(routing="mask", pad=128, dtype="bf16"), _with(routing="index", probs=False)])
+def test_nothing_read_back_with_num_out_tokens(name, monkeypatch, request):
+    """With num_out_tokens, permute runs its one kernel and the host never reads a device value:
+    NkiBackend._read_back (the target's only device -> host read) must not be called, and
+    check_routing defaults to off. Without it, exactly one read back: the row count."""
+    mod = load("nki", name)
+    case = Case("static", N=150, H=64, E=5, k=2)
+    g = generator_for(request)
+    inputs, _ = inputs_and_cap(mod, case, g)
+    reads = []
+    real = nki_host.NkiBackend._read_back
+    monkeypatch.setattr(nki_host.NkiBackend, "_read_back", lambda self, counts: reads.append(counts) or real(self, counts))
+    monkeypatch.setattr("permgen.ops.routing_error", lambda *a: pytest.fail("check_routing ran with num_out_tokens"))
+    cap = needed_rows(mod.VARIANT, inputs[1], case.E) + 3
+    with nki_emulator.recording() as runs:
+        res = mod.permute(*inputs, num_experts=case.E, num_out_tokens=cap)
+    assert reads == []
+    assert [r.kernel for r in runs] == [f"{name}_permute"]
+    assert res.tokens.shape[0] == res.row_id_map.num_rows == cap
+
+    monkeypatch.undo()
+    monkeypatch.setattr(nki_host.NkiBackend, "_read_back", lambda self, counts: reads.append(counts) or real(self, counts))
+    with nki_emulator.recording() as runs:
+        res = mod.permute(*inputs, num_experts=case.E)
+    assert len(reads) == 1 and [r.kernel for r in runs] == [f"{name}_expert_counts", f"{name}_permute"]
+    assert res.tokens.shape[0] == needed_rows(mod.VARIANT, inputs[1], case.E)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask routing: indirect DMAs grow with the routes, not with E
+# ---------------------------------------------------------------------------------------------
+
+def _permute_cost(mod, num_experts, k, topk, seed):
+    g = torch.Generator().manual_seed(seed)
+    routing = routing_from_ids(mod.VARIANT, expert_ids(256, num_experts, k, g), num_experts)
+    tokens = make_tokens(mod.VARIANT, 256, 16, g)
+    probs = torch.rand(256, num_experts, generator=g)
+    with nki_emulator.recording() as runs:
+        res = mod.permute(tokens, routing, probs, num_out_tokens=256 * k, topk=topk)
+    (cost,) = runs
+    return cost, res
+
+
+def test_mask_permute_indirect_dmas_follow_the_routes_not_the_experts():
+    mod = load("nki", _with(routing="mask", pad=0, dtype="bf16"))
+    for topk in (None, 2):
+        small, _ = _permute_cost(mod, 8, 2, topk, seed=1)
+        large, res = _permute_cost(mod, 64, 2, topk, seed=1)
+        # Per token tile: 2 route slots x (token id + prob) scatters, and the row gathers.
+        assert small.indirect_dmas == large.indirect_dmas == 2 * 2 * 2 + 4
+        assert large.dynamic_iterations == (0 if topk else 2 * 2)
+        assert res.row_id_map.width == (topk or 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel level: the @nki.jit kernels through nki.simulate with NumPy arrays
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [_with(routing="mask", pad=128, dtype="bf16"), _with(routing="index", pad=16)])
+def test_permute_kernel_writes_the_row_map_layout(name, request):
+    """The kernel's flat int32 row map: dst rows [N, W] (mask: then compacted experts [N, W] and
+    route counts [N]), segment offsets [E + 1], segment counts [E] -- read straight from NumPy."""
+    import nki
+
+    mod = load("nki", name)
+    mask = mod.VARIANT["routing"] == "mask"
+    g = generator_for(request)
+    n, h, e, k = 140, 24, 5, 2
+    ids = expert_ids(n, e, k, g, ragged=True)
+    routing = routing_from_ids(mod.VARIANT, ids, e)
+    tokens = make_tokens(mod.VARIANT, n, h, g)
+    probs = torch.rand(routing.shape, generator=g)
+    width = k if mask else routing.shape[1]
+    routes = plan_routes(routing, mod.VARIANT["routing"], e, mod.VARIANT["pad"])
+    kernel = getattr(mod, f"{name}_permute")
+    out, out_probs, row_map, tokens_per_expert = nki.simulate(kernel)(
+        nki_host.to_kernel(tokens), routing.int().numpy(), probs.numpy(), num_experts=e, width=width,
+        num_out_tokens=routes.num_rows)
+    assert row_map.dtype == np.int32 and row_map.shape == ((2 * width + 1) * n + 2 * e + 1 if mask else width * n + 2 * e + 1,)
+    dst = row_map[:n * width].reshape(n, width)
+    words = n * width
+    if mask:
+        experts = row_map[words:2 * words].reshape(n, width)
+        counts = row_map[2 * words:2 * words + n]
+        assert np.array_equal(counts, routing.sum(1).numpy())
+        for t in range(n):
+            assert np.array_equal(experts[t, :counts[t]], np.flatnonzero(routing[t].numpy()))
+        words = 2 * words + n
+    want = rows_by_column_ref(routes, n, routing.shape[1]).numpy()
+    if mask:
+        got = np.full_like(want, -1)
+        for t in range(n):
+            got[t, experts[t, :counts[t]]] = dst[t, :counts[t]]
     else:
-        routing = torch.rand(n, e, generator=gen) < 0.45
-    probs = torch.rand(routing.shape, generator=gen) if spec["probs"] else None
-    scale = None
-    if spec["scale"] == "block128":
-        scale = torch.rand(n, -(-h // 128), generator=gen) * 8
-    elif spec["scale"] == "mx32":
-        scale = torch.randint(0, 256, (n, -(-h // 32)), generator=gen, dtype=torch.uint8)
-    num_out_tokens = None
-    if case.drop:
-        full = plan_routes(routing, spec["routing"], e, spec["pad"]).num_rows
-        num_out_tokens = max(1, full * 2 // 3)
-    return Inputs(spec, tokens, routing, probs, scale, num_out_tokens)
+        got = dst
+    assert np.array_equal(got, want)
+    offsets, seg_counts = row_map[words:words + e + 1], row_map[words + e + 1:]
+    assert np.array_equal(offsets, np.append(routes.segment_start.numpy(), routes.num_rows))
+    assert np.array_equal(seg_counts, np.bincount(routes.expert.numpy(), minlength=e))
+    assert np.array_equal(tokens_per_expert.reshape(-1), routes.tokens_per_expert.numpy())
+    assert out.shape == (routes.num_rows, h) and out_probs.shape == (routes.num_rows,)
 
 
-def combine_dtype(spec):
-    return torch.bfloat16 if spec["dtype"].startswith("fp8") else TORCH_DTYPES[spec["dtype"]]
+def test_sum_routes_kernel_directly():
+    """The gather-sum kernel on a hand-written index row map: -1 adds nothing, rows sum in fp32."""
+    import nki
+
+    mod = load("nki", _with(routing="index", probs=False))
+    rows_in = np.arange(5 * 3, dtype=np.float32).reshape(5, 3).astype(nki_host.ml_dtypes.bfloat16)
+    dst = np.array([[0, 4], [-1, 2], [3, -1]], dtype=np.int32)
+    table = np.array([0, 1, 2, 3, 4, 5, 1, 1, 1, 1, 1], dtype=np.int32)  # 5 experts, one row each
+    row_map = np.concatenate([dst.reshape(-1), table])
+    out = nki.simulate(getattr(mod, f"{mod.VARIANT['name']}_sum_routes"))(rows_in, row_map, num_tokens=3, width=2,
+                                                                         num_experts=5)
+    want = np.stack([rows_in[0].astype(np.float32) + rows_in[4], rows_in[2], rows_in[3]])
+    assert np.array_equal(out.astype(np.float32), want)
 
 
-def assert_sum_close(got: torch.Tensor, want: torch.Tensor):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    tol = SUM_TOLERANCE[want.dtype]
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+# ---------------------------------------------------------------------------------------------
+# The target's own errors (the shared contract's are tested in test_runtime_errors.py)
+# ---------------------------------------------------------------------------------------------
 
-
-def run_permute(module, inp: Inputs, case: Case):
-    return module.permute(
-        to_numpy(inp.tokens), inp.routing.numpy(),
-        to_numpy(inp.probs) if inp.probs is not None else None,
-        to_numpy(inp.scale) if inp.scale is not None else None,
-        num_experts=case.num_experts, num_out_tokens=inp.num_out_tokens)
-
-
-@parametrize_backend
-@parametrize_variant
-@parametrize_case
-def test_permute_and_unpermute(name, case, backend):
-    module = load_variant(name, backend)
-    spec = module.VARIANT
-    inp = make_inputs(spec, case, seed=zlib.crc32(f"{name}/{case}".encode()))
-    want_tokens, want_probs, want_scale, want_tpe, routes = permute_ref(
-        inp.tokens, inp.routing, routing_kind=spec["routing"], num_experts=case.num_experts, probs=inp.probs,
-        scale=inp.scale, pad=spec["pad"], num_out_tokens=inp.num_out_tokens)
-
-    res = run_permute(module, inp, case)
-    assert torch.equal(bits(to_torch(res.tokens)), bits(want_tokens))
-    assert torch.equal(torch.from_numpy(res.tokens_per_expert), want_tpe)
-    if spec["probs"]:
-        assert torch.equal(to_torch(res.probs), want_probs)
-    else:
-        assert res.probs is None
-    if spec["scale"] != "none":
-        assert torch.equal(bits(to_torch(res.scale)), bits(want_scale))
-    else:
-        assert res.scale is None
-    # row_id_map: each kept route's row, -1 elsewhere.
-    want_map = torch.full(inp.routing.shape, -1, dtype=torch.int32)
-    want_map[routes.token, routes.col] = routes.dst.int()
-    assert torch.equal(torch.from_numpy(res.row_id_map), want_map)
-
-    # unpermute combines expert outputs (bf16 for fp8 variants), not the permuted tokens.
-    gen = torch.Generator().manual_seed(1)
-    expert_out = torch.randn(routes.num_rows, case.hidden, generator=gen).to(combine_dtype(spec))
-    merging = torch.rand(inp.routing.shape, generator=gen) if spec["probs"] else None
-    got = module.unpermute(to_numpy(expert_out), res.row_id_map, to_numpy(merging) if merging is not None else None)
-    assert_sum_close(to_torch(got), unpermute_ref(expert_out, routes, case.num_tokens, merging))
-
-
-@parametrize_backend
-@parametrize_variant
-@parametrize_case
-def test_backward(name, case, backend):
-    module = load_variant(name, backend)
-    spec = module.VARIANT
-    inp = make_inputs(spec, case, seed=zlib.crc32(f"{name}/{case}/bwd".encode()))
-    res = run_permute(module, inp, case)
-    routes = plan_routes(inp.routing, spec["routing"], case.num_experts, spec["pad"], inp.num_out_tokens)
-    gen = torch.Generator().manual_seed(2)
-    n, m, h = case.num_tokens, routes.num_rows, case.hidden
-    cdt = combine_dtype(spec)
-
-    # permute backward
-    grad_rows = torch.randn(m, h, generator=gen).to(cdt)
-    if spec["probs"]:
-        grad_row_probs = torch.randn(m, generator=gen)
-        got_tokens, got_probs = module.permute_backward(to_numpy(grad_rows), res.row_id_map, to_numpy(grad_row_probs))
-        want_tokens, want_probs = permute_grads_ref(grad_rows, routes, n, inp.routing.shape, grad_row_probs)
-        assert torch.equal(to_torch(got_probs), want_probs)
-    else:
-        got_tokens = module.permute_backward(to_numpy(grad_rows), res.row_id_map)
-        want_tokens, _ = permute_grads_ref(grad_rows, routes, n)
-    assert_sum_close(to_torch(got_tokens), want_tokens)
-
-    # unpermute backward
-    grad_out = torch.randn(n, h, generator=gen).to(cdt)
-    permuted = torch.randn(m, h, generator=gen).to(cdt)
-    if spec["probs"]:
-        merging = torch.rand(inp.routing.shape, generator=gen)
-        got_rows, got_probs = module.unpermute_backward(to_numpy(grad_out), to_numpy(permuted), res.row_id_map, to_numpy(merging))
-        want_rows, want_probs = unpermute_grads_ref(grad_out, permuted, routes, merging)
-        torch.testing.assert_close(to_torch(got_probs), want_probs, rtol=1e-5, atol=1e-4)
-    else:
-        got_rows = module.unpermute_backward(to_numpy(grad_out), res.row_id_map, m)
-        want_rows, _ = unpermute_grads_ref(grad_out, permuted, routes)
-    # p * grad is one product rounded once: exact.
-    assert torch.equal(bits(to_torch(got_rows)), bits(want_rows))
-
-
-PROBS_VARIANTS = [n for n in NKI_VARIANTS if generated.VARIANTS[n]["probs"]]
-
-
-@parametrize_backend
-@pytest.mark.parametrize("name", PROBS_VARIANTS)
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=str)
-def test_unpermute_without_merging_probs(name, case, backend):
-    """Probs variants also unpermute with merging_probs=None: a plain fp32 sum of the routes' rows, whose
-    backward scatters grad_out to the rows unweighted and has no prob gradient."""
-    module = load_variant(name, backend)
-    spec = module.VARIANT
-    inp = make_inputs(spec, case, seed=zlib.crc32(f"{name}/{case}/nomerge".encode()))
-    res = run_permute(module, inp, case)
-    routes = plan_routes(inp.routing, spec["routing"], case.num_experts, spec["pad"], inp.num_out_tokens)
-    gen = torch.Generator().manual_seed(3)
-    n, m, h = case.num_tokens, routes.num_rows, case.hidden
-    cdt = combine_dtype(spec)
-
-    expert_out = torch.randn(m, h, generator=gen).to(cdt)
-    got = module.unpermute(to_numpy(expert_out), res.row_id_map, None)
-    assert_sum_close(to_torch(got), unpermute_ref(expert_out, routes, n))
-    got_default = module.unpermute(to_numpy(expert_out), res.row_id_map, restore_shape=(n, h))
-    assert np.array_equal(got_default.view(np.uint8), got.view(np.uint8))
-
-    grad_out = torch.randn(n, h, generator=gen).to(cdt)
-    got_rows, got_probs = module.unpermute_backward(to_numpy(grad_out), to_numpy(expert_out), res.row_id_map, None)
-    assert got_probs is None
-    want_rows, _ = unpermute_grads_ref(grad_out, expert_out, routes)
-    assert torch.equal(bits(to_torch(got_rows)), bits(want_rows))
-    # Every row no route lands on (pad rows, dropped capacity) is an exact zero.
-    landed = torch.zeros(m, dtype=torch.bool)
-    landed[routes.dst] = True
-    assert torch.equal(bits(to_torch(got_rows))[~landed], torch.zeros_like(bits(want_rows)[~landed]))
-
-
-def test_unpermute_without_merging_probs_empty():
-    module = load_variant(PROBS_VARIANTS[0], "emulator")
-    row_id_map = np.full((3, module.VARIANT["routing"] == "mask" and 4 or 2), -1, dtype=np.int32)
-    permuted = np.zeros((0, 8), dtype=np.dtype(module.COMBINE_DTYPE) if module.COMBINE_DTYPE != "bfloat16" else to_numpy(torch.zeros(0, 8, dtype=torch.bfloat16)).dtype)
-    grad_out = to_numpy(torch.ones(3, 8, dtype=torch.bfloat16)) if module.COMBINE_DTYPE == "bfloat16" else np.ones((3, 8), dtype=module.COMBINE_DTYPE)
-    out = module.unpermute(permuted, row_id_map)
-    assert out.shape == (3, 8) and not out.astype(np.float32).any()
-    rows, probs = module.unpermute_backward(grad_out, permuted, row_id_map)
-    assert rows.shape == (0, 8) and probs is None
-
-
-@pytest.mark.parametrize("name", [NKI_VARIANTS[0], "probs_pad32_fp8e4m3_mx32_index"])
-def test_hidden_split_across_tiles(name, monkeypatch):
-    """H wider than one SBUF tile: the column loop and its partial last block."""
-    module = load_variant(name, "emulator")
-    monkeypatch.setattr(module, "H_TILE", 128)
-    case = Case(140, 300, 7, 3)
-    spec = module.VARIANT
-    inp = make_inputs(spec, case, seed=7)
-    want_tokens, *_ , routes = permute_ref(inp.tokens, inp.routing, routing_kind=spec["routing"], num_experts=7,
-                                           probs=inp.probs, scale=inp.scale, pad=spec["pad"])
-    res = run_permute(module, inp, case)
-    assert torch.equal(bits(to_torch(res.tokens)), bits(want_tokens))
-    expert_out = torch.randn(routes.num_rows, 300).to(combine_dtype(spec))
-    merging = torch.rand(inp.routing.shape) if spec["probs"] else None
-    got = module.unpermute(to_numpy(expert_out), res.row_id_map, to_numpy(merging) if merging is not None else None)
-    assert_sum_close(to_torch(got), unpermute_ref(expert_out, routes, 140, merging))
-
-
-def _variant_with(**axes):
-    return next(n for n in NKI_VARIANTS if all(generated.VARIANTS[n][k] == v for k, v in axes.items()))
-
-
-def test_bad_inputs_say_what_was_expected():
-    module = load_variant(_variant_with(routing="index", probs=False, dtype="bf16"), "emulator")
-    tokens = to_numpy(torch.randn(4, 8).to(torch.bfloat16))
-    routing = np.zeros((4, 2), dtype=np.int64)
-    with pytest.raises(TypeError, match="bfloat16"):
-        module.permute(np.zeros((4, 8), dtype=np.float32), routing, num_experts=3)
-    with pytest.raises(ValueError, match="num_experts"):
-        module.permute(tokens, routing)
-    with pytest.raises(ValueError, match="probs"):
-        module.permute(tokens, routing, np.ones((4, 2), dtype=np.float32), num_experts=3)
-    with pytest.raises(ValueError, match=r"shape \[4, \*\]"):
-        module.permute(tokens, np.zeros((5, 2), dtype=np.int64), num_experts=3)
-    with pytest.raises(TypeError, match="integer"):
-        module.permute(tokens, routing.astype(np.float32), num_experts=3)
-
-    module = load_variant(_variant_with(routing="mask", probs=True, dtype="bf16", pad=0), "emulator")
-    mask = np.ones((4, 3), dtype=bool)
-    with pytest.raises(ValueError, match=r"probs must have shape \[4, 3\]"):
-        module.permute(tokens, mask, np.ones((4, 2), dtype=np.float32))
-    with pytest.raises(ValueError, match="pass probs"):
-        module.permute(tokens, mask)
-    with pytest.raises(ValueError, match="num_experts=5"):
-        module.permute(tokens, mask, np.ones((4, 3), dtype=np.float32), num_experts=5)
-    with pytest.raises(TypeError, match="NumPy array"):
-        module.unpermute(torch.zeros(3, 8), np.zeros((4, 3), dtype=np.int32), np.ones((4, 3), dtype=np.float32))
-
-    module = load_variant(_variant_with(scale="block128"), "emulator")
-    fp8 = to_numpy(torch.randn(4, 200).to(torch.float8_e4m3fn))
-    with pytest.raises(ValueError, match=r"scale must have shape \[4, 2\]"):
-        module.permute(fp8, np.ones((4, 3), dtype=bool), np.ones((4, 3), dtype=np.float32), np.ones((4, 1), dtype=np.float32))
+def test_nki_limits_and_device():
+    mod = load("nki", _with(routing="index", probs=False))
+    tokens = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 512 experts"):
+        mod.permute(tokens, torch.zeros(4, 2, dtype=torch.int32), num_experts=513)
+    with pytest.raises(ValueError, match="expert ids must be in"):
+        mod.permute(tokens, torch.full((4, 2), 7, dtype=torch.int32), num_experts=3)
+    with pytest.raises(ValueError, match="nki target runs kernels through nki.simulate on CPU"):
+        mod.permute(tokens.to("meta"), torch.zeros(4, 2, dtype=torch.int32, device="meta"), num_experts=3)
