@@ -74,7 +74,7 @@ def _launch(kernel, programs, *args, **meta):
     if not isinstance(kernel, JITFunction):  # the CPU interpreter
         kernel[(programs,)](*args, **meta)
         return
-    device = args[0].get_device()
+    device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
     key = (kernel, device, *meta.values(), *map(_launch_key, args))
     entry = _COMPILED.get(key)
     if entry is None:
