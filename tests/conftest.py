@@ -1,4 +1,5 @@
-"""Shared test set-up: run Triton kernels through the interpreter when there is no GPU."""
+"""Shared test set-up: run Triton kernels through the interpreter when there is no GPU, poison
+fresh allocations, and a replayable hypothesis profile."""
 
 import os
 import sys
@@ -11,13 +12,27 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
+from cases import DEVICE, HAS_CUDA  # noqa: E402,F401
+
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+# Property tests replay: examples derive from the test, not from a clock; no deadline, since an
+# interpreted kernel's first call compiles nothing but still takes its time. Few examples on the
+# CPU (every one runs interpreted kernels); more where kernels run natively.
+settings.register_profile(
+    "permgen",
+    derandomize=True,
+    deadline=None,
+    max_examples=int(os.environ.get("PERMGEN_MAX_EXAMPLES", 40 if HAS_CUDA else 6)),
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    database=None,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "permgen"))
 
 
 def _poison(t):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEVICE
+from cases import DEVICE
 
 from generator import render
 from generator.render import MODULE_TEMPLATES, REGISTRY_TEMPLATE, diff_against, fingerprint, render_all, write_all
@@ -144,9 +144,8 @@ def headers(outputs):
 
 
 @pytest.mark.parametrize("template, changes", [
-    ("triton/_host.py.jinja", {"triton"}),
     ("triton/module.py.jinja", {"triton"}),
-    ("nki/_kernels.py.jinja", {"nki"}),
+    ("nki/module.py.jinja", {"nki"}),
     ("_header.py.jinja", {"triton", "nki"}),
 ])
 def test_one_template_byte_changes_the_fingerprints_that_use_it(variants, outputs, template_copy, template, changes):
@@ -275,8 +274,24 @@ def test_generate_refuses_while_foreign_files_are_present(tmp_path):
 
 
 def test_every_output_starts_with_the_marker(outputs):
-    for output in outputs:
-        assert output.text.startswith(render.MARKER), output.path
+    assert all(output.text.startswith(render.MARKER) for output in outputs)
+
+
+@pytest.mark.parametrize("template", ["_header.py.jinja", REGISTRY_TEMPLATE, "package_init.py.jinja"])
+def test_output_without_the_marker_is_refused(variants, template_copy, template, tmp_path):
+    """A template that loses the marker would make files a later run can never delete: rendering
+    stops, naming the file, and nothing is written."""
+    path = template_copy / template
+    text = path.read_text()
+    assert text.startswith(render.MARKER)
+    path.write_text("# generated" + text[len(render.MARKER):])
+    with pytest.raises(render.GenerationError, match="rendered output does not start with"):
+        render_all(variants)
+
+
+def test_two_variants_claiming_one_file_are_refused(variants):
+    with pytest.raises(render.GenerationError, match=f"two outputs share a path.*{variants[0].name}"):
+        render_all([variants[0], *variants])
 
 
 def test_package_inits_carry_a_fingerprint_of_target_and_template(outputs, template_copy, variants):
@@ -311,16 +326,28 @@ def test_check_labels_paths_by_the_out_directory(tmp_path):
     assert "elsewhere/ is up to date" in run_cli("check", "--out", out).stdout
 
 
-def test_registry_axis_values_come_from_the_spec_module(outputs):
-    from generator import spec
-
+def test_registry_holds_only_the_variants(variants, outputs):
+    """The generated registry is data (name -> normalised spec entry); its logic is permgen.registry's."""
     registry = by_path(outputs)["__init__.py"]
+    tree = ast.parse(registry)
+    assigned = [t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
+    assert assigned == ["VARIANTS"]
+    assert all(isinstance(node, (ast.Assign, ast.Expr)) for node in tree.body)  # no imports, no functions
     namespace = {}
-    exec(compile(registry.split("\nimport importlib\n")[1], "registry", "exec"), {"importlib": None}, namespace)
-    assert namespace["AXIS_CHOICES"] == {"dtype": spec.DTYPES, "routing": spec.ROUTINGS, "scale": spec.SCALES}
-    assert namespace["_FP8_DTYPES"] == spec.FP8_DTYPES and namespace["_MAX_PAD"] == spec.MAX_PAD
-    assert namespace["_TARGETS"] == spec.TARGETS
-    assert namespace["AXIS_DEFAULTS"] == {k: v for k, v in spec.BUILTIN_DEFAULTS.items() if k != "targets"}
+    exec(compile(registry, "registry", "exec"), {}, namespace)
+    assert namespace["VARIANTS"] == {v.name: {k: x for k, x in v.axes().items() if k != "name"} for v in variants}
+
+
+def test_registry_and_spec_read_one_axis_table():
+    """The spec's validation and the registry's lookup take their axis values from permgen.contract."""
+    from generator import spec
+    from permgen import contract, registry
+
+    assert (spec.DTYPES, spec.ROUTINGS, spec.SCALES, spec.TARGETS, spec.FP8_DTYPES, spec.MAX_PAD) == \
+        (contract.DTYPES, contract.ROUTINGS, contract.SCALES, contract.TARGETS, contract.FP8_DTYPES, contract.MAX_PAD)
+    assert spec.BUILTIN_DEFAULTS is contract.AXIS_DEFAULTS
+    assert registry.AXIS_CHOICES == {"dtype": contract.DTYPES, "routing": contract.ROUTINGS, "scale": contract.SCALES}
+    assert registry.AXIS_DEFAULTS == {k: v for k, v in contract.AXIS_DEFAULTS.items() if k != "targets"}
 
 
 def test_bytecode_caches_are_not_stale_files(tmp_path, outputs):
@@ -445,7 +472,8 @@ def test_unknown_command_exits_2():
 # Generated modules are self-contained
 # ---------------------------------------------------------------------------------------------
 
-ALLOWED_IMPORTS = {"triton": {"torch", "triton"}, "nki": {"nki", "numpy"}}
+# Generated modules import their framework and the permgen runtime, nothing else.
+ALLOWED_IMPORTS = {"triton": {"torch", "triton", "permgen"}, "nki": {"nki", "numpy", "permgen"}}
 
 
 @pytest.mark.parametrize("target", sorted(ALLOWED_IMPORTS))
@@ -517,22 +545,26 @@ def test_new_variant_files_are_written(user_tree, variants, outputs):
             assert (out / target / f"{v.name}.py").read_text(encoding="utf-8") == texts[f"{target}/{v.name}.py"]
 
 
-def test_new_variant_through_its_registry(user_tree):
+def test_new_variant_through_its_registry(user_tree, monkeypatch):
+    """permgen.get_kernel, pointed at the user's generated package, finds the new variant."""
+    from permgen import registry
+
     _, out = user_tree
     package = "permgen_user_generated"
     spec = importlib.util.spec_from_file_location(package, out / "__init__.py", submodule_search_locations=[str(out)])
-    registry = importlib.util.module_from_spec(spec)
-    sys.modules[package] = registry
+    generated = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, package, generated)
+    monkeypatch.setattr(registry, "GENERATED", package)
     try:
-        spec.loader.exec_module(registry)
-        assert "pad64_fp16_index" in registry.VARIANTS
+        spec.loader.exec_module(generated)
+        assert "pad64_fp16_index" in registry.variants()
         mod = registry.get_kernel("triton", dtype="fp16", routing="index", probs=False, pad=64)
         assert mod.VARIANT["name"] == "pad64_fp16_index"
         assert Path(mod.__file__).resolve() == (out / "triton" / "pad64_fp16_index.py").resolve()
-        with pytest.raises(LookupError):
+        with pytest.raises(LookupError, match="pad64_fp16_index|Nearest"):
             registry.get_kernel("nki", dtype="fp16", routing="index", probs=False, pad=64)
     finally:
-        for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+        for name in [n for n in sys.modules if n.startswith(package + ".")]:
             del sys.modules[name]
 
 

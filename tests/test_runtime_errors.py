@@ -2,16 +2,31 @@
 TypeError / ValueError / LookupError that says what was expected, before any kernel runs; bad
 expert ids with checking off route nowhere instead of writing out of bounds."""
 
-import importlib
+import functools
 import re
-import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import generated
-from conftest import DEVICE
+import permgen
+from cases import (
+    DEVICE,
+    META,
+    assert_bits_equal,
+    assert_sum_close,
+    combine_dtype,
+    expert_ids,
+    generator_for,
+    make_scale,
+    make_tokens,
+    routing_from_ids,
+    to_device,
+    token_dtype,
+)
+from cases import load as load_variant
 from generator.spec import parse_spec
+from permgen.triton_host import TritonBackend, TritonKernels
 from reference import permute_ref, unpermute_ref
 
 MASK = "probs_bf16_mask"
@@ -20,41 +35,27 @@ INDEX_NO_PROBS = "bf16_index"
 BLOCK128 = "probs_pad128_fp8e4m3_block128_mask"
 MX32 = "probs_pad32_fp8e4m3_mx32_index"
 N, H, E, K = 12, 72, 5, 2
-META = torch.device("meta")
 
 
 def load(name):
-    return importlib.import_module(f"generated.triton.{name}")
+    return load_variant("triton", name)
 
 
 @pytest.fixture
 def g(request):
     """A generator seeded from the test's id: fresh inputs per test, reproducible per test."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    return generator_for(request)
 
 
 def inputs(name, g, n=N, h=H, e=E, k=K):
-    """Valid (tokens, routing, probs, scale, kwargs) for variant `name`."""
+    """Valid (tokens, routing, probs, scale, kwargs) for variant `name`: k distinct experts per token."""
     v = load(name).VARIANT
-    dtype = load(name).TOKEN_DTYPE
-    tokens = (torch.randn(n, h, generator=g) * 2).to(dtype).to(DEVICE)
-    ids = torch.argsort(torch.rand(n, e, generator=g), dim=1)[:, :k].to(torch.int32)
-    if v["routing"] == "mask":
-        routing = torch.zeros(n, e, dtype=torch.bool)
-        routing[torch.arange(n)[:, None], ids.long()] = True
-        probs = torch.rand(n, e, generator=g) if v["probs"] else None
-        kwargs = {}
-    else:
-        routing = ids
-        probs = torch.rand(n, k, generator=g) if v["probs"] else None
-        kwargs = {"num_experts": e}
-    scale = None
-    if v["scale"] == "block128":
-        scale = torch.rand(n, -(-h // 128), generator=g) + 0.5
-    elif v["scale"] == "mx32":
-        scale = torch.randint(0, 256, (n, -(-h // 32)), dtype=torch.uint8, generator=g)
-    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    return tokens, to(routing), to(probs), to(scale), kwargs
+    tokens = make_tokens(v, n, h, g)
+    routing = routing_from_ids(v, expert_ids(n, e, k, g), e)
+    probs = torch.rand(routing.shape, generator=g) if v["probs"] else None
+    scale = make_scale(v, n, h, g)
+    kwargs = {} if v["routing"] == "mask" else {"num_experts": e}
+    return (*to_device(DEVICE, tokens, routing, probs, scale), kwargs)
 
 
 def raises(exc, *words):
@@ -63,10 +64,14 @@ def raises(exc, *words):
 
 
 def assert_no_kernel(monkeypatch, mod):
-    """Make any launch fail loudly: the checks must fire before a kernel is reached."""
-    for attr in dir(mod):
-        if attr.endswith("_kernel"):
-            monkeypatch.setattr(mod, attr, None)
+    """Make any launch fail loudly: the checks must fire before a kernel is reached.
+
+    The backend's kernels become None (a launch raises TypeError: 'NoneType' is not
+    subscriptable); its device check keeps judging by the real kernels (compiled or interpreted)."""
+    backend = mod._ops.backend
+    real = SimpleNamespace(kernels=backend.kernels, name=backend.name)
+    monkeypatch.setattr(backend, "check_device", functools.partial(TritonBackend.check_device, real))
+    monkeypatch.setattr(backend, "kernels", TritonKernels(*[None] * len(TritonKernels._fields)))
 
 
 @pytest.fixture
@@ -78,6 +83,14 @@ def strict(monkeypatch):
     return apply
 
 
+def test_strict_modules_cannot_launch(g, strict):
+    """The `strict` fixture is what makes the tests below mean something: valid input reaches a launch, which fails."""
+    mod = strict(MASK)
+    tokens, routing, probs, _, kw = inputs(MASK, g)
+    with pytest.raises(TypeError, match="NoneType"):
+        mod.permute(tokens, routing, probs, **kw)
+
+
 # ---------------------------------------------------------------------------------------------
 # permute: tokens
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +99,7 @@ def strict(monkeypatch):
 def test_tokens_wrong_dtype(name, g, strict):
     mod = strict(name)
     tokens, routing, probs, scale, kw = inputs(name, g)
-    with raises(TypeError, f"{name}: tokens must have dtype {mod.TOKEN_DTYPE}", "got torch.float32"):
+    with raises(TypeError, f"{name}: tokens must have dtype {token_dtype(mod.VARIANT)}", "got torch.float32"):
         mod.permute(tokens.float(), routing, probs, scale, **kw)
 
 
@@ -406,9 +419,7 @@ def test_out_of_range_ids_unchecked_route_nowhere(name, cap, g, poisoned_empty):
     res = mod.permute(tokens, routing, probs, scale, **kw, num_out_tokens=num_out, check_routing=False)
     ref_tokens, ref_probs, ref_scale, ref_tpe, routes = permute_ref(
         tokens, routing, routing_kind="index", num_experts=e, probs=probs, scale=scale, pad=pad, num_out_tokens=num_out)
-    words = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)  # noqa: E731
-    assert res.tokens.shape == ref_tokens.shape
-    assert torch.equal(words(res.tokens), words(ref_tokens))
+    assert_bits_equal(res.tokens, ref_tokens)
     assert torch.equal(res.tokens_per_expert, ref_tpe)
     if probs is not None:
         assert torch.equal(res.probs, ref_probs)
@@ -420,10 +431,9 @@ def test_out_of_range_ids_unchecked_route_nowhere(name, cap, g, poisoned_empty):
     assert bool((dst[bad_routes] == -1).all())
 
     # unpermute sees the dropped routes as absent.
-    combine = torch.randn(res.tokens.shape, generator=g).to(mod.COMBINE_DTYPE).to(DEVICE)
+    combine = torch.randn(res.tokens.shape, generator=g).to(combine_dtype(mod.VARIANT)).to(DEVICE)
     out = mod.unpermute(combine, res.row_id_map, probs)
-    expected = unpermute_ref(combine, routes, n, probs)
-    torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1e-2)
+    assert_sum_close(out, unpermute_ref(combine, routes, n, probs))
     assert not out.isnan().any()
 
 
@@ -451,7 +461,7 @@ def permuted(g):
         mod = load(name)
         tokens, routing, probs, scale, kw = inputs(name, g)
         res = mod.permute(tokens, routing, probs, scale, **kw)
-        combine = torch.randn(res.tokens.shape, generator=g).to(mod.COMBINE_DTYPE).to(DEVICE)
+        combine = torch.randn(res.tokens.shape, generator=g).to(combine_dtype(mod.VARIANT)).to(DEVICE)
         return mod, res, combine, probs
     return make
 
@@ -470,7 +480,7 @@ def test_unpermute_wrong_shape(name, permuted, monkeypatch):
 def test_fp8_unpermute_expects_bf16(name, permuted, monkeypatch):
     mod, res, combine, probs = permuted(name)
     assert_no_kernel(monkeypatch, mod)
-    assert mod.COMBINE_DTYPE == torch.bfloat16
+    assert combine_dtype(mod.VARIANT) == torch.bfloat16
     with raises(TypeError, "permuted must have dtype torch.bfloat16", f"got {res.tokens.dtype}"):
         mod.unpermute(res.tokens, res.row_id_map, probs)  # the fp8 rows themselves
 
@@ -493,18 +503,25 @@ def test_unpermute_not_contiguous_or_elsewhere(permuted, monkeypatch):
         mod.unpermute(combine.to(META), res.row_id_map, probs)
 
 
-@pytest.mark.parametrize("bad", ["tuple", "list", "none", "other_variant"])
+@pytest.mark.parametrize("bad", ["tuple", "list", "none"])
 def test_unpermute_row_id_map_not_a_row_id_map(bad, permuted, monkeypatch):
     mod, res, combine, probs = permuted(INDEX)
     assert_no_kernel(monkeypatch, mod)
-    if bad == "other_variant":  # a RowIdMap, but another module's
-        other = load(INDEX_NO_PROBS).RowIdMap(*res.row_id_map)
-        row_id_map, type_name = other, "RowIdMap"
-    else:
-        row_id_map = {"tuple": tuple(res.row_id_map), "list": list(res.row_id_map), "none": None}[bad]
-        type_name = type(row_id_map).__name__
-    with raises(TypeError, "row_id_map must be the RowIdMap from this module's permute", f"got {type_name}"):
+    row_id_map = {"tuple": tuple(res.row_id_map), "list": list(res.row_id_map), "none": None}[bad]
+    with raises(TypeError, "row_id_map must be the RowIdMap from this module's permute",
+                f"got {type(row_id_map).__name__}"):
         mod.unpermute(combine, row_id_map, probs)
+
+
+def test_unpermute_row_id_map_of_another_variant(permuted, monkeypatch, g):
+    """A RowIdMap, but from another variant's permute: its layout may differ, so it is refused."""
+    mod, res, combine, probs = permuted(INDEX)
+    assert_no_kernel(monkeypatch, mod)
+    tokens, routing, _, _, kw = inputs(INDEX_NO_PROBS, g)
+    other = load(INDEX_NO_PROBS).permute(tokens, routing, **kw).row_id_map
+    assert other.num_rows == res.row_id_map.num_rows  # same sizes: only the variant differs
+    with raises(ValueError, f"{INDEX}: row_id_map comes from variant {INDEX_NO_PROBS}'s permute"):
+        mod.unpermute(combine, other, probs)
 
 
 def test_unpermute_merging_probs_on_a_variant_without_probs(permuted, monkeypatch, g):
@@ -550,22 +567,22 @@ def test_unpermute_good_restore_shape(permuted):
 # ---------------------------------------------------------------------------------------------
 
 def test_get_kernel_returns_the_matching_module():
-    for name, spec in generated.VARIANTS.items():
+    for name, spec in permgen.VARIANTS.items():
         if "triton" not in spec["targets"]:
             continue
         axes = {a: spec[a] for a in ("dtype", "routing", "probs", "scale", "pad")}
-        mod = generated.get_kernel("triton", **axes)
-        assert mod.__name__ == f"generated.triton.{name}"
+        mod = permgen.get_kernel("triton", **axes)
+        assert mod.__name__ == f"permgen.generated.triton.{name}"
         assert mod.VARIANT == {"name": name, **spec}
-        assert generated.find_variant("triton", **axes) == name
+        assert permgen.find_variant("triton", **axes) == name
         if "nki" in spec["targets"]:
-            assert generated.find_variant("nki", **axes) == name
+            assert permgen.find_variant("nki", **axes) == name
 
 
 def test_get_kernel_fills_axis_defaults():
-    assert generated.get_kernel("triton", dtype="bf16", routing="mask").__name__ == "generated.triton.probs_bf16_mask"
-    mod = generated.get_kernel("triton", dtype="bf16", routing="index", probs=False)
-    assert mod.__name__ == "generated.triton.bf16_index"
+    assert permgen.get_kernel("triton", dtype="bf16", routing="mask").__name__ == "permgen.generated.triton.probs_bf16_mask"
+    mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=False)
+    assert mod.__name__ == "permgen.generated.triton.bf16_index"
 
 
 @pytest.mark.parametrize("axes", [
@@ -575,12 +592,12 @@ def test_get_kernel_fills_axis_defaults():
 ])
 def test_get_kernel_miss_names_nearest_and_the_variant_to_add(axes):
     with pytest.raises(LookupError) as info:
-        generated.get_kernel("triton", **axes)
+        permgen.get_kernel("triton", **axes)
     message = str(info.value)
     nearest = re.search(r"Nearest: ([\w, ]+)\.", message)
     assert nearest, message
     names = nearest.group(1).split(", ")
-    assert names and all(n in generated.VARIANTS for n in names)
+    assert names and all(n in permgen.VARIANTS for n in names)
     assert "[[variant]]" in message and "variants.toml" in message and "make generate" in message
     # The suggested entry is a valid spec for exactly the requested variant.
     entry = message[message.index("[[variant]]"):message.index("then run")]
@@ -592,7 +609,7 @@ def test_get_kernel_miss_names_nearest_and_the_variant_to_add(axes):
 
 def test_nearest_variants_come_first():
     with pytest.raises(LookupError) as info:
-        generated.get_kernel("triton", dtype="bf16", routing="mask", probs=False)
+        permgen.get_kernel("triton", dtype="bf16", routing="mask", probs=False)
     nearest = re.search(r"Nearest: ([\w, ]+)\.", str(info.value)).group(1).split(", ")
     assert set(nearest[:2]) == {"probs_bf16_mask", "bf16_index"}  # each one axis away
 
@@ -606,13 +623,13 @@ def test_nearest_variants_come_first():
 ])
 def test_get_kernel_bad_axis_names(axes, words):
     with raises(TypeError, *words):
-        generated.get_kernel("triton", **axes)
+        permgen.get_kernel("triton", **axes)
 
 
 @pytest.mark.parametrize("target", ["cuda", "Triton", "", None, "nki "])
 def test_get_kernel_bad_target(target):
     with raises(ValueError, "target must be 'triton' or 'nki'", repr(target)):
-        generated.get_kernel(target, dtype="bf16", routing="mask")
+        permgen.get_kernel(target, dtype="bf16", routing="mask")
 
 
 @pytest.mark.parametrize("axes, key", [
@@ -624,4 +641,4 @@ def test_get_kernel_bad_target(target):
 ])
 def test_get_kernel_impossible_axes_say_which_value_is_wrong(axes, key):
     with raises(ValueError, key, repr(axes[key])):
-        generated.get_kernel("triton", **axes)
+        permgen.get_kernel("triton", **axes)

@@ -7,6 +7,7 @@ time whether it interprets, so the compiling runs in a fresh process without TRI
 (`python tests/test_triton_compile.py <variant>`).
 """
 
+import importlib
 import os
 import subprocess
 import sys
@@ -19,10 +20,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import generated  # noqa: E402
-from inputs import Case, make_inputs  # noqa: E402
+from cases import Case, combine_dtype, is_fp8, make_inputs, variants_for  # noqa: E402
 
-TRITON_VARIANTS = [name for name, v in generated.VARIANTS.items() if "triton" in v["targets"]]
+TRITON_VARIANTS = variants_for("triton")
 ARCHS = [90, 100]
 TYPE_CODES = {torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
               torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.bool: "i1"}
@@ -47,7 +47,7 @@ def record_launches(module, jit_function_class):
     v = module.VARIANT
     case = Case("aot", N=8, H=300, E=6, k=2)
     tokens, routing, probs, scale = make_inputs(v, case, "cpu", torch.Generator().manual_seed(0))
-    if v["dtype"] not in ("fp8_e4m3", "fp8_e5m2"):
+    if not is_fp8(v):
         tokens.requires_grad_()
     if probs is not None:
         probs.requires_grad_()
@@ -60,7 +60,7 @@ def record_launches(module, jit_function_class):
     if outputs:
         torch.autograd.grad(outputs, [t for t in (tokens, probs) if t is not None and t.requires_grad],
                             [torch.ones_like(o) for o in outputs])
-    permuted = torch.zeros(20, case.H, dtype=module.COMBINE_DTYPE, requires_grad=True)
+    permuted = torch.zeros(20, case.H, dtype=combine_dtype(v), requires_grad=True)
     for merging in ([None, torch.rand(probs.shape, requires_grad=True)] if probs is not None else [None]):
         out = module.unpermute(permuted, res.row_id_map, merging)
         torch.autograd.grad(out, [t for t in (permuted, merging) if t is not None], torch.ones_like(out))
@@ -89,7 +89,7 @@ def compile_variant(name):
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    module = __import__(f"generated.triton.{name}", fromlist=["VARIANT"])
+    module = importlib.import_module(f"permgen.generated.triton.{name}")
     launches = record_launches(module, JITFunction)
     kernels = {getattr(module, n) for n in dir(module) if n.endswith("_kernel")}
     launched = {fn for fn, _, _ in launches}
