@@ -1,0 +1,32 @@
+"""A wheel built from the repository installs one import package, permgen, with the generated
+kernels under it (permgen.generated), and importing permgen loads neither torch nor a target."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import permgen
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_installs_only_permgen(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheel, = tmp_path.glob("permgen-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"permgen", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    for name, variant in permgen.VARIANTS.items():
+        for target in variant["targets"]:
+            assert f"permgen/generated/{target}/{name}.py" in names
+    assert "permgen/generated/__init__.py" in names and "permgen/contract.py" in names
+
+
+def test_import_permgen_is_light():
+    code = ("import sys, permgen; permgen.find_variant('triton', dtype='bf16', routing='mask'); "
+            "print(sorted(m for m in ('torch', 'triton', 'nki', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
