@@ -48,6 +48,7 @@ CASES = [
     Case("dropped", N=29, H=72, E=6, k=3, cap="drop"),
     Case("spare_rows", N=11, H=72, E=4, k=2, cap="spare"),
     Case("ragged", N=19, H=80, E=9, k=4, ragged=True),
+    Case("k10", N=6, H=40, E=10, k=10),  # more routes per token than a route tile holds
 ]
 
 
@@ -346,3 +347,18 @@ def check_permute_backward(mod, tokens, routing, probs, scale, *, num_experts, n
     if probs is not None:
         assert_bits_equal(grads[-1], ref_probs_grad, "permute grad probs")  # routed back, not summed
     return res, grads
+
+
+def check_roundtrip(mod, target, tokens, routing, probs, scale, *, num_experts, num_out_tokens, generator,
+                    topk=None, merge=True):
+    """permute (through autograd where anything is differentiable) against the reference, its
+    backward pass, then unpermute of random expert outputs and its backward pass: each kernel
+    runs once. Returns (permute's result, (unpermute's output, permute's grads..., unpermute's grads...))."""
+    v = mod.VARIANT
+    res, permute_grads = check_permute_backward(mod, tokens, routing, probs, scale, num_experts=num_experts,
+                                                num_out_tokens=num_out_tokens, generator=generator, topk=topk)
+    ref = permute_ref(tokens, routing, routing_kind=v["routing"], num_experts=num_experts, probs=probs, scale=scale,
+                      pad=v["pad"], num_out_tokens=num_out_tokens)
+    assert_permute_matches(mod, res, ref, routing)
+    out, unpermute_grads = check_unpermute(mod, target, res, ref[-1], routing.shape, generator, merge=merge)
+    return res, (out, *permute_grads, *unpermute_grads)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from cases import DEVICE, HAS_CUDA  # noqa: E402,F401
+from cases import HAS_CUDA  # noqa: E402
 
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is defined.

@@ -14,7 +14,7 @@ import pytest
 from generator import render_all, write_all
 from generator.spec import parse_spec
 from cases import Case, generator_for
-from test_triton_kernels import check_permute_backward_case, check_permute_case, check_unpermute_case
+from test_triton_kernels import check_case
 
 PLAIN_DTYPES = ["bf16", "fp16", "fp32"]
 SCALED = [("fp8_e4m3", "block128"), ("fp8_e5m2", "mx32")]
@@ -55,7 +55,4 @@ def test_the_matrix_covers_every_structural_combination():
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("name", [v.name for v in VARIANTS])
 def test_variant_matches_reference(name, case, modules, poisoned_empty, request):
-    mod = modules[name]
-    check_permute_case(mod, case, generator_for(request, "permute"))
-    check_unpermute_case(mod, case, generator_for(request, "unpermute"))
-    check_permute_backward_case(mod, case, generator_for(request, "permute-backward"))
+    check_case(modules[name], case, generator_for(request))

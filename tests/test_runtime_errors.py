@@ -580,7 +580,8 @@ def test_get_kernel_returns_the_matching_module():
 
 
 def test_get_kernel_fills_axis_defaults():
-    assert permgen.get_kernel("triton", dtype="bf16", routing="mask").__name__ == "permgen.generated.triton.probs_bf16_mask"
+    mod = permgen.get_kernel("triton", dtype="bf16", routing="mask")
+    assert mod.__name__ == "permgen.generated.triton.probs_bf16_mask"
     mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=False)
     assert mod.__name__ == "permgen.generated.triton.bf16_index"
 

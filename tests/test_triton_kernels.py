@@ -15,6 +15,7 @@ from cases import (
     assert_sum_close,
     check_permute,
     check_permute_backward,
+    check_roundtrip,
     check_unpermute,
     generator_for,
     is_fp8,
@@ -29,48 +30,49 @@ from reference import permute_grads_ref, plan_routes
 TRITON_VARIANTS = variants_for("triton")
 
 
-def inputs_and_cap(mod, case, g):
+def _case_inputs(mod, case, g):
+    """(tokens, routing, probs, scale) of `case` on DEVICE, and permute's sizes (num_experts, the row cap)."""
     tokens, routing, probs, scale = make_inputs(mod.VARIANT, case, DEVICE, g)
     cap = num_out_tokens_for(case, needed_rows(mod.VARIANT, routing, case.E))
-    return (tokens, routing, probs, scale), cap
+    return (tokens, routing, probs, scale), dict(num_experts=case.E, num_out_tokens=cap)
 
 
-# The checks take a module, so the tests of variants generated from other specs (test_axis_matrix)
-# run the same ones.
+def check_case(mod, case, g, merge=True):
+    """permute, its backward, unpermute and its backward on `case`, each against the reference.
+
+    Takes a module, so the tests of variants generated from other specs (test_axis_matrix) run it too."""
+    inputs, sizes = _case_inputs(mod, case, g)
+    return check_roundtrip(mod, "triton", *inputs, **sizes, generator=g, merge=merge)
+
+
+# One op at a time, for tests of a single op (test_vendor).
 
 def check_permute_case(mod, case, g):
-    inputs, cap = inputs_and_cap(mod, case, g)
-    return check_permute(mod, *inputs, num_experts=case.E, num_out_tokens=cap)
+    inputs, sizes = _case_inputs(mod, case, g)
+    return check_permute(mod, *inputs, **sizes)
 
 
 def check_unpermute_case(mod, case, g):
-    inputs, cap = inputs_and_cap(mod, case, g)
-    res, routes = check_permute(mod, *inputs, num_experts=case.E, num_out_tokens=cap)
-    probs_shape = (case.N, case.E if mod.VARIANT["routing"] == "mask" else case.k)
-    check_unpermute(mod, "triton", res, routes, probs_shape, g)
+    inputs, sizes = _case_inputs(mod, case, g)
+    res, routes = check_permute(mod, *inputs, **sizes)
+    check_unpermute(mod, "triton", res, routes, inputs[1].shape, g)
 
 
 def check_permute_backward_case(mod, case, g):
-    inputs, cap = inputs_and_cap(mod, case, g)
-    check_permute_backward(mod, *inputs, num_experts=case.E, num_out_tokens=cap, generator=g)
+    inputs, sizes = _case_inputs(mod, case, g)
+    check_permute_backward(mod, *inputs, **sizes, generator=g)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("name", TRITON_VARIANTS)
-def test_permute_matches_reference(name, case, poisoned_empty, request):
-    check_permute_case(load("triton", name), case, generator_for(request))
+def test_matches_reference(name, case, poisoned_empty, request):
+    check_case(load("triton", name), case, generator_for(request))
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("name", TRITON_VARIANTS)
-def test_unpermute_forward_and_backward(name, case, poisoned_empty, request):
-    check_unpermute_case(load("triton", name), case, generator_for(request))
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("name", TRITON_VARIANTS)
-def test_permute_backward(name, case, poisoned_empty, request):
-    check_permute_backward_case(load("triton", name), case, generator_for(request))
+@pytest.mark.parametrize("name", [n for n in TRITON_VARIANTS if permgen.VARIANTS[n]["probs"]])
+def test_unpermute_without_merging_probs(name, poisoned_empty, request):
+    """Variants with probs also unpermute as a plain sum (merging_probs=None), with no prob grads."""
+    check_case(load("triton", name), CASES[0], generator_for(request), merge=False)
 
 
 @pytest.mark.parametrize("used", ["tokens", "probs"])
@@ -99,4 +101,3 @@ def test_permute_backward_through_one_output(name, used, poisoned_empty, request
                                               probs.shape, grad_out)
         assert torch.equal(probs.grad, ref_probs_grad)
         assert tokens.grad is None
-
