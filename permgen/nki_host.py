@@ -86,6 +86,8 @@ def from_kernel(a: np.ndarray) -> torch.Tensor:
 class NkiBackend:
     """Converts and launches one variant's kernels (see permgen.ops for the interface)."""
 
+    target = "nki"
+
     def __init__(self, variant: dict, kernels: NkiKernels):
         self.variant = variant
         self.kernels = kernels

@@ -1,9 +1,9 @@
-"""permute and unpermute, written once for every variant and target.
+"""permute and unpermute, written once for every variant and target, and their torch.library ops.
 
 A generated module binds its kernels to a target backend (`permgen.triton_host.TritonBackend`,
 `permgen.nki_host.NkiBackend`) and exposes `Ops(VARIANT, backend).permute / .unpermute`. This
-module checks the arguments (permgen.contract), runs the backend, and wires autograd; a backend
-only allocates and launches. Backend methods:
+module checks the arguments (permgen.contract), runs the backend, and registers each variant's ops
+as `torch.library` custom ops; a backend only allocates and launches. Backend methods:
 
     permute(plan, tokens, routing, probs, scale)
         -> (out, out_probs | None, out_scale | None, tokens_per_expert, row_map, num_rows)
@@ -12,67 +12,247 @@ only allocates and launches. Backend methods:
         -> (grad_tokens | None, grad_probs | None)
     unpermute_backward(row_id_map, grad_out, permuted | None, merging_probs | None)
         -> (grad_permuted, grad_probs | None)
+
+Custom ops. Each variant registers, in the `permgen` namespace and under the prefix
+`<target>_<variant>_` (e.g. `permgen::triton_probs_bf16_mask_permute`):
+
+    permute                  (tokens, routing, probs?, scale?, num_experts, width, num_out_tokens?,
+                              check_routing) -> (out, [out_probs], [out_scale], tokens_per_expert, row_map)
+    unpermute                (permuted, row_map, merging_probs?, num_tokens, width, num_experts) -> out
+    permute_backward         (row_map, grad_out, num_tokens, width, num_experts, num_rows) -> grad_tokens
+    unpermute_backward       (row_map, grad_out, num_tokens, width, num_experts, num_rows) -> grad_permuted
+  variants with probs also:
+    permute_backward_probs   (row_map, grad_out?, grad_out_probs, ..., prob_columns, probs_dtype)
+                              -> (grad_tokens ([N, 0] without grad_out), grad_probs)
+    unpermute_backward_probs (row_map, grad_out, permuted, merging_probs, ...) -> (grad_permuted, grad_probs)
+
+Only tensors and ints cross an op boundary: the row map travels as its int32 tensor and
+`RowIdMap` is rebuilt in Python from the static sizes. permute and unpermute carry registered
+autograd (their backward passes are the ops above) and fake implementations, so
+`torch.compile(fullgraph=True)` sees each as one opaque op. With `num_out_tokens` the output
+shapes are static; without it permute's row count is a data-dependent size (an unbacked SymInt).
+
+Eagerly, a call that needs no autograd runs the backend directly (the dispatcher would add host
+time to every call); a call that needs autograd, and every call under torch.compile, goes
+through the ops. Both run the same backend code on the same arguments, so results are identical.
 """
 
 import torch
 
-from .contract import check_permute, check_unpermute, combine_dtype, routing_error, token_dtype
+from .contract import PermutePlan, check_permute, check_unpermute, combine_dtype, routing_error, token_dtype
 from .results import PermuteResult, RowIdMap
 
-
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, backend, plan, tokens, routing, probs, scale):
-        out, out_probs, out_scale, tokens_per_expert, row_map, num_rows = backend.permute(
-            plan, tokens, routing, probs, scale)
-        ctx.mark_non_differentiable(*(t for t in (out_scale, tokens_per_expert, row_map) if t is not None))
-        ctx.save_for_backward(row_map, routing)
-        ctx.set_materialize_grads(False)  # no zero-filled grads for outputs nothing flowed back to
-        ctx.backend, ctx.plan, ctx.num_rows = backend, plan, num_rows
-        ctx.probs_meta = None if probs is None else (probs.shape, probs.dtype)
-        return out, out_probs, out_scale, tokens_per_expert, row_map
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_out_probs, *_):
-        row_map, routing = ctx.saved_tensors
-        backend, plan = ctx.backend, ctx.plan
-        # Grads were not materialised: None means no gradient reached that output.
-        if not ctx.needs_input_grad[2]:
-            grad_out = None
-        if not ctx.needs_input_grad[4]:
-            grad_out_probs = None
-        row_id_map = backend.row_id_map(row_map, routing, plan, ctx.num_rows)
-        grad_tokens, grad_probs = backend.permute_backward(row_id_map, grad_out, grad_out_probs, ctx.probs_meta)
-        return None, None, grad_tokens, None, grad_probs, None
+NAMESPACE = "permgen"
+_TAKEN = set()  # op name prefixes registered in this process
 
 
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, backend, row_id_map, permuted, merging_probs):
-        if merging_probs is not None:
-            ctx.save_for_backward(permuted, merging_probs)
-        ctx.backend, ctx.row_id_map = backend, row_id_map
-        ctx.set_materialize_grads(False)
-        return backend.unpermute(row_id_map, permuted, merging_probs)
+def _prefix(target: str, name: str) -> str:
+    """`<target>_<variant>`; a second module defining the same variant (a vendored copy, a test's own
+    spec) gets a numbered prefix, since an op name can be registered only once per process."""
+    prefix, number = f"{target}_{name}", 1
+    while prefix in _TAKEN:
+        number += 1
+        prefix = f"{target}_{name}_{number}"
+    _TAKEN.add(prefix)
+    return prefix
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        if grad_out is None:  # no gradient reached the output
-            return None, None, None, None
-        permuted, merging_probs = ctx.saved_tensors if ctx.saved_tensors else (None, None)
-        grad_permuted, grad_probs = ctx.backend.unpermute_backward(
-            ctx.row_id_map, grad_out.contiguous(), permuted, merging_probs)
-        return None, None, grad_permuted, grad_probs
+
+def _route_words(mask: bool, num_tokens, width):
+    """Row map words before the segment table (see RowIdMap)."""
+    return (2 * width + 1) * num_tokens if mask else width * num_tokens
 
 
 class Ops:
-    """The public functions of one variant on one target."""
+    """The public functions of one variant on one target, and its custom ops."""
 
     def __init__(self, variant: dict, backend):
         self.variant = variant
         self.backend = backend
+        self.name = variant["name"]
         self.token_dtype = token_dtype(variant)
         self.combine_dtype = combine_dtype(variant)
+        self.mask = variant["routing"] == "mask"
+        self.has_probs = variant["probs"]
+        self.has_scale = variant["scale"] != "none"
+        self.fp8 = self.token_dtype.itemsize == 1
+        self.prefix = _prefix(getattr(backend, "target", "triton"), self.name)
+        self._register()
+
+    # -- the work, shared by the direct path and the ops -------------------------------------------
+
+    def _run_permute(self, plan, tokens, routing, probs, scale):
+        if plan.check_routing:
+            problem = routing_error(self.variant, routing, plan.num_experts, plan.width)
+            if problem:
+                raise ValueError(f"{self.name}: {problem}")
+        return self.backend.permute(plan, tokens, routing, probs, scale)
+
+    def _row_id_map(self, row_map, num_tokens, width, num_experts, num_rows, routing=None):
+        return RowIdMap(row_map, routing, num_tokens, width, num_experts, num_rows, self.name)
+
+    # -- registration ------------------------------------------------------------------------------
+
+    def _register(self):
+        """Define this variant's ops (see the module docstring) and keep their handles."""
+        p = self.prefix
+        sizes = "SymInt num_tokens, SymInt width, SymInt num_experts"
+        permute_returns = ", ".join(["Tensor out"] + ["Tensor out_probs"] * self.has_probs
+                                    + ["Tensor out_scale"] * self.has_scale + ["Tensor tokens_per_expert",
+                                                                               "Tensor row_map"])
+        defs = {
+            "permute": (self._permute_impl, self._permute_fake,
+                        "(Tensor tokens, Tensor routing, Tensor? probs, Tensor? scale, SymInt num_experts, "
+                        f"SymInt width, SymInt? num_out_tokens, bool check_routing) -> ({permute_returns})"),
+            "unpermute": (self._unpermute_impl, self._unpermute_fake,
+                          f"(Tensor permuted, Tensor row_map, Tensor? merging_probs, {sizes}) -> Tensor"),
+            "permute_backward": (self._permute_backward_impl, self._permute_backward_fake,
+                                 f"(Tensor row_map, Tensor grad_out, {sizes}, SymInt num_rows) -> Tensor"),
+            "unpermute_backward": (self._unpermute_backward_impl, self._unpermute_backward_fake,
+                                   f"(Tensor row_map, Tensor grad_out, {sizes}, SymInt num_rows) -> Tensor"),
+        }
+        if self.has_probs:
+            defs["permute_backward_probs"] = (
+                self._permute_backward_probs_impl, self._permute_backward_probs_fake,
+                f"(Tensor row_map, Tensor? grad_out, Tensor grad_out_probs, {sizes}, SymInt num_rows, "
+                "SymInt prob_columns, ScalarType probs_dtype) -> (Tensor grad_tokens, Tensor grad_probs)")
+            defs["unpermute_backward_probs"] = (
+                self._unpermute_backward_probs_impl, self._unpermute_backward_probs_fake,
+                f"(Tensor row_map, Tensor grad_out, Tensor permuted, Tensor merging_probs, {sizes}) "
+                "-> (Tensor grad_permuted, Tensor grad_probs)")
+        self.custom_ops = {}
+        for op, (impl, fake, schema) in defs.items():
+            custom = torch.library.custom_op(f"{NAMESPACE}::{p}_{op}", impl, mutates_args=(), schema=schema)
+            custom.register_fake(fake)
+            self.custom_ops[op] = custom
+        self.custom_ops["permute"].register_autograd(self._permute_backward, setup_context=self._permute_setup)
+        self.custom_ops["unpermute"].register_autograd(self._unpermute_backward, setup_context=self._unpermute_setup)
+        ns = getattr(torch.ops, NAMESPACE)
+        # OpOverloads: the cheapest handle to call.
+        self.op = {op: getattr(ns, f"{p}_{op}").default for op in defs}
+
+    # -- permute -----------------------------------------------------------------------------------
+
+    def _permute_outputs(self, out, out_probs, out_scale, tokens_per_expert, row_map):
+        return (out, *([out_probs] if self.has_probs else []), *([out_scale] if self.has_scale else []),
+                tokens_per_expert, row_map)
+
+    def _permute_impl(self, tokens, routing, probs, scale, num_experts, width, num_out_tokens, check_routing):
+        plan = PermutePlan(tokens.shape[0], tokens.shape[1], num_experts, width, num_out_tokens, check_routing)
+        return self._permute_outputs(*self._run_permute(plan, tokens, routing, probs, scale)[:5])
+
+    def _permute_fake(self, tokens, routing, probs, scale, num_experts, width, num_out_tokens, check_routing):
+        num_tokens, hidden = tokens.shape
+        num_rows = num_out_tokens
+        if num_rows is None:  # the rows the routes need: known only once the routing is read
+            num_rows = torch.library.get_ctx().new_dynamic_size()
+        out = tokens.new_empty((num_rows, hidden))
+        out_probs = None if probs is None else probs.new_empty((num_rows,))
+        out_scale = None if scale is None else scale.new_empty((num_rows, scale.shape[1]))
+        tokens_per_expert = tokens.new_empty((num_experts,), dtype=torch.int64)
+        row_map = tokens.new_empty((_route_words(self.mask, num_tokens, width) + 2 * num_experts + 1,),
+                                   dtype=torch.int32)
+        return self._permute_outputs(out, out_probs, out_scale, tokens_per_expert, row_map)
+
+    def _permute_setup(self, ctx, inputs, output):
+        tokens, routing, probs, _, num_experts, width, _, _ = inputs
+        ctx.save_for_backward(output[-1])
+        ctx.sizes = (tokens.shape[0], width, num_experts, output[0].shape[0])
+        ctx.probs_meta = None if probs is None else (probs.shape[1], probs.dtype)
+        frozen = [output[0]] if self.fp8 else []  # fp8 tokens are quantised data, never differentiated
+        if self.has_scale:
+            frozen.append(output[1 + self.has_probs])
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        ctx.set_materialize_grads(False)  # no zero-filled grads for outputs nothing flowed back to
+
+    def _permute_backward(self, ctx, grad_out, *grads):
+        (row_map,) = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_out = grad_out if needs[0] else None
+        grad_out_probs = grads[0] if self.has_probs and needs[2] else None
+        grad_tokens = grad_probs = None
+        if grad_out_probs is not None:
+            columns, dtype = ctx.probs_meta
+            grad_tokens, grad_probs = self.op["permute_backward_probs"](
+                row_map, grad_out, grad_out_probs, *ctx.sizes, columns, dtype)
+            grad_tokens = None if grad_out is None else grad_tokens
+        elif grad_out is not None:
+            grad_tokens = self.op["permute_backward"](row_map, grad_out, *ctx.sizes)
+        return grad_tokens, None, grad_probs, None, None, None, None, None
+
+    def _permute_backward_impl(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
+        row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, num_rows)
+        return self.backend.permute_backward(row_id_map, grad_out.contiguous(), None, None)[0]
+
+    def _permute_backward_fake(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
+        return grad_out.new_empty((num_tokens, grad_out.shape[1]))
+
+    def _permute_backward_probs_impl(self, row_map, grad_out, grad_out_probs, num_tokens, width, num_experts,
+                                     num_rows, prob_columns, probs_dtype):
+        row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, num_rows)
+        grad_tokens, grad_probs = self.backend.permute_backward(
+            row_id_map, None if grad_out is None else grad_out.contiguous(), grad_out_probs.contiguous(),
+            ((num_tokens, prob_columns), probs_dtype))
+        if grad_tokens is None:
+            grad_tokens = grad_out_probs.new_empty((num_tokens, 0), dtype=self.combine_dtype)
+        return grad_tokens, grad_probs
+
+    def _permute_backward_probs_fake(self, row_map, grad_out, grad_out_probs, num_tokens, width, num_experts,
+                                     num_rows, prob_columns, probs_dtype):
+        if grad_out is None:
+            grad_tokens = grad_out_probs.new_empty((num_tokens, 0), dtype=self.combine_dtype)
+        else:
+            grad_tokens = grad_out.new_empty((num_tokens, grad_out.shape[1]))
+        return grad_tokens, grad_out_probs.new_empty((num_tokens, prob_columns), dtype=probs_dtype)
+
+    # -- unpermute ---------------------------------------------------------------------------------
+
+    def _unpermute_impl(self, permuted, row_map, merging_probs, num_tokens, width, num_experts):
+        row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, permuted.shape[0])
+        return self.backend.unpermute(row_id_map, permuted, merging_probs)
+
+    def _unpermute_fake(self, permuted, row_map, merging_probs, num_tokens, width, num_experts):
+        return permuted.new_empty((num_tokens, permuted.shape[1]))
+
+    def _unpermute_setup(self, ctx, inputs, output):
+        permuted, row_map, merging_probs, num_tokens, width, num_experts = inputs
+        ctx.merging = merging_probs is not None
+        ctx.save_for_backward(row_map, *((permuted, merging_probs) if ctx.merging else ()))
+        ctx.sizes = (num_tokens, width, num_experts)
+        ctx.num_rows = permuted.shape[0]
+        ctx.set_materialize_grads(False)
+
+    def _unpermute_backward(self, ctx, grad_out):
+        if grad_out is None:  # no gradient reached the output
+            return None, None, None, None, None, None
+        needs = ctx.needs_input_grad
+        grad_probs = None
+        if ctx.merging:
+            row_map, permuted, merging_probs = ctx.saved_tensors
+            grad_permuted, grad_probs = self.op["unpermute_backward_probs"](
+                row_map, grad_out, permuted, merging_probs, *ctx.sizes)
+        else:
+            (row_map,) = ctx.saved_tensors
+            grad_permuted = self.op["unpermute_backward"](row_map, grad_out, *ctx.sizes, ctx.num_rows)
+        return (grad_permuted if needs[0] else None), None, (grad_probs if needs[2] else None), None, None, None
+
+    def _unpermute_backward_impl(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
+        row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, num_rows)
+        return self.backend.unpermute_backward(row_id_map, grad_out.contiguous(), None, None)[0]
+
+    def _unpermute_backward_fake(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
+        return grad_out.new_empty((num_rows, grad_out.shape[1]))
+
+    def _unpermute_backward_probs_impl(self, row_map, grad_out, permuted, merging_probs, num_tokens, width,
+                                       num_experts):
+        row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, permuted.shape[0])
+        return self.backend.unpermute_backward(row_id_map, grad_out.contiguous(), permuted, merging_probs)
+
+    def _unpermute_backward_probs_fake(self, row_map, grad_out, permuted, merging_probs, num_tokens, width,
+                                       num_experts):
+        return grad_out.new_empty((permuted.shape[0], grad_out.shape[1])), torch.empty_like(merging_probs)
+
+    # -- the public functions ----------------------------------------------------------------------
 
     def permute(self, tokens, routing, probs=None, scale=None, *, num_experts=None, num_out_tokens=None, topk=None,
                 check_routing=None) -> PermuteResult:
@@ -85,29 +265,31 @@ class Ops:
 
         num_out_tokens: rows of the output. Routes whose row would be >= num_out_tokens are
             dropped; rows past the last expert segment are zeros. When given, permute makes no
-            host synchronisation, so it can be captured in a CUDA graph.
+            host synchronisation, so it can be captured in a CUDA graph, and under torch.compile
+            the output shapes are static. Without it the row count is read back from the device
+            (under torch.compile: a data-dependent size).
         topk: optional, mask routing: the most routes of any token. The call costs the same with
             or without it; it only shrinks the row map from E to topk slots per token (routes
             past topk are dropped, or refused when check_routing is on).
         check_routing: verify the routing values (one host sync). Default: only when
             num_out_tokens is None (that call synchronises anyway).
         """
-        variant, backend = self.variant, self.backend
-        plan = check_permute(variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk, check_routing)
-        backend.check_device(tokens)
-        if plan.check_routing:
-            problem = routing_error(variant, routing, plan.num_experts, plan.width)
-            if problem:
-                raise ValueError(f"{variant['name']}: {problem}")
-        # Autograd only when a gradient can flow: the plain call costs the host far less.
-        if torch.is_grad_enabled() and (tokens.requires_grad or (probs is not None and probs.requires_grad)):
-            out, out_probs, out_scale, tokens_per_expert, row_map = _Permute.apply(
-                backend, plan, tokens, routing, probs, scale)
-            num_rows = out.shape[0]
+        plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
+                             check_routing)
+        self.backend.check_device(tokens)
+        # The ops when autograd or the compiler needs them; the plain call costs the host far less.
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                tokens.requires_grad or (probs is not None and probs.requires_grad))):
+            outs = list(self.op["permute"](tokens, routing, probs, scale, plan.num_experts, plan.width,
+                                           plan.num_out_tokens, plan.check_routing))
+            out = outs.pop(0)
+            out_probs = outs.pop(0) if self.has_probs else None
+            out_scale = outs.pop(0) if self.has_scale else None
+            tokens_per_expert, row_map = outs
         else:
-            out, out_probs, out_scale, tokens_per_expert, row_map, num_rows = backend.permute(
+            out, out_probs, out_scale, tokens_per_expert, row_map, _ = self._run_permute(
                 plan, tokens, routing, probs, scale)
-        row_id_map = backend.row_id_map(row_map, routing, plan, num_rows)
+        row_id_map = self._row_id_map(row_map, plan.num_tokens, plan.width, plan.num_experts, out.shape[0], routing)
         return PermuteResult(out, out_probs, out_scale, row_id_map, tokens_per_expert)
 
     def unpermute(self, permuted, row_id_map, merging_probs=None, restore_shape=None):
@@ -119,7 +301,8 @@ class Ops:
         optional (N, H), checked. Returns [N, H], accumulated in fp32, deterministic.
         """
         check_unpermute(self.variant, permuted, row_id_map, merging_probs, restore_shape, RowIdMap)
-        if torch.is_grad_enabled() and (permuted.requires_grad
-                                        or (merging_probs is not None and merging_probs.requires_grad)):
-            return _Unpermute.apply(self.backend, row_id_map, permuted, merging_probs)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                permuted.requires_grad or (merging_probs is not None and merging_probs.requires_grad))):
+            return self.op["unpermute"](permuted, row_id_map.row_map, merging_probs, row_id_map.num_tokens,
+                                        row_id_map.width, row_id_map.num_experts)
         return self.backend.unpermute(row_id_map, permuted, merging_probs)

@@ -123,6 +123,8 @@ def _block_tokens(width):
 class TritonBackend:
     """Allocates and launches one variant's kernels (see permgen.ops for the interface)."""
 
+    target = "triton"
+
     def __init__(self, variant: dict, kernels: TritonKernels):
         self.variant = variant
         self.kernels = kernels

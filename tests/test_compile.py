@@ -1,0 +1,217 @@
+"""The torch.library ops of every Triton variant under torch.compile and torch.library.opcheck.
+
+permute -> arbitrary torch work -> unpermute compiles with fullgraph=True (no graph break) and
+gives bit-identical outputs and gradients to the eager call, with num_out_tokens (static shapes)
+and without it (a data-dependent row count). On the CPU the kernels run under TRITON_INTERPRET=1
+and the graphs go through AOTAutograd with backend="aot_eager"; on a GPU, Inductor compiles them.
+Shapes are small: every kernel call is interpreted.
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import permgen
+from cases import (
+    DEVICE,
+    HAS_CUDA,
+    Case,
+    assert_bits_equal,
+    generator_for,
+    is_fp8,
+    load,
+    make_inputs,
+    needed_rows,
+    random_like,
+    variants_for,
+)
+
+TRITON_VARIANTS = variants_for("triton")
+BACKEND = "inductor" if HAS_CUDA else "aot_eager"
+CASE = Case("compile", N=9, H=32, E=4, k=2)
+OPCHECK_CASE = Case("opcheck", N=4, H=16, E=3, k=2)
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def layer(mod, num_out_tokens):
+    """What a MoE layer does around permute: experts' work on the permuted rows, then unpermute."""
+    v = mod.VARIANT
+
+    def run(tokens, routing, probs, scale, weight):
+        res = mod.permute(tokens, routing, probs, scale, num_experts=CASE.E, num_out_tokens=num_out_tokens)
+        rows = res.tokens.to(weight.dtype)
+        hidden = torch.nn.functional.silu(rows @ weight) + rows  # stands in for the experts
+        if res.probs is not None:
+            hidden = hidden * res.probs[:, None].to(hidden.dtype)
+        merging = probs if v["probs"] else None
+        out = mod.unpermute(hidden.contiguous(), res.row_id_map, merging)
+        return out, res.tokens_per_expert
+
+    return run
+
+
+def leaves(mod, request):
+    """The layer's inputs, built twice from one seed: one set for eager, one for compiled."""
+    v = mod.VARIANT
+
+    def build():
+        g = generator_for(request)
+        tokens, routing, probs, scale = make_inputs(v, CASE, DEVICE, g)
+        cdt = mod._ops.combine_dtype
+        weight = (random_like((CASE.H, CASE.H), cdt, DEVICE, g) / CASE.H ** 0.5).requires_grad_()
+        if not is_fp8(v):
+            tokens.requires_grad_()
+        if probs is not None:
+            probs.requires_grad_()
+        return tokens, routing, probs, scale, weight
+
+    return build(), build()
+
+
+@pytest.mark.parametrize("cap", ["static", "dynamic"])
+@pytest.mark.parametrize("name", TRITON_VARIANTS)
+def test_compiled_layer_matches_eager(name, cap, request):
+    """fullgraph=True: no graph break; forward outputs and every gradient bit-identical to eager."""
+    mod = load("triton", name)
+    eager_in, compiled_in = leaves(mod, request)
+    num_out_tokens = needed_rows(mod.VARIANT, eager_in[1], CASE.E) if cap == "static" else None
+    run = layer(mod, num_out_tokens)
+    counter = CompileCounterWithBackend(BACKEND)
+    compiled = torch.compile(run, fullgraph=True, backend=counter)
+
+    results = []
+    for fn, inputs in ((run, eager_in), (compiled, compiled_in)):
+        out, tokens_per_expert = fn(*inputs)
+        grad_out = random_like(out.shape, out.dtype, DEVICE, generator_for(request, "grad"))
+        out.backward(grad_out)
+        results.append((out, tokens_per_expert, [t.grad for t in inputs if t is not None and t.requires_grad]))
+    assert counter.frame_count == 1
+    (out, tpe, grads), (c_out, c_tpe, c_grads) = results
+    assert_bits_equal(c_out, out, "compiled unpermute")
+    assert torch.equal(c_tpe, tpe)
+    assert len(grads) == len(c_grads) >= 2
+    for i, (got, want) in enumerate(zip(c_grads, grads)):
+        assert_bits_equal(got, want, f"grad {i}")
+
+
+def test_no_graph_break_counted_by_explain(request):
+    """torch._dynamo.explain of the layer: one graph, no break (what TE's suite checks with fullgraph)."""
+    mod = load("triton", "probs_bf16_mask")
+    inputs, _ = leaves(mod, request)
+    explained = torch._dynamo.explain(layer(mod, None))(*inputs)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_new_token_counts_do_not_recompile(request):
+    """dynamic=True: a second and third token count reuse the first graph."""
+    mod = load("triton", "probs_bf16_index")
+    v = mod.VARIANT
+    counter = CompileCounterWithBackend(BACKEND)
+
+    @torch.compile(fullgraph=True, dynamic=True, backend=counter)
+    def run(tokens, routing, probs, num_out_tokens):
+        res = mod.permute(tokens, routing, probs, num_experts=CASE.E, num_out_tokens=num_out_tokens)
+        return mod.unpermute(res.tokens * 2, res.row_id_map, probs)
+
+    g = generator_for(request)
+    for n in (7, 13, 21):
+        tokens, routing, probs, _ = make_inputs(v, Case("n", N=n, H=CASE.H, E=CASE.E, k=CASE.k), DEVICE, g)
+        out = run(tokens, routing, probs, n * CASE.k)
+        res = mod.permute(tokens, routing, probs, num_experts=CASE.E, num_out_tokens=n * CASE.k)
+        assert_bits_equal(out, mod.unpermute(res.tokens * 2, res.row_id_map, probs), f"N={n}")
+    assert counter.frame_count == 1
+
+
+def test_routing_errors_are_raised_inside_the_compiled_op(request):
+    """check_routing (the default without num_out_tokens) runs inside the op: the same ValueError."""
+    mod = load("triton", "probs_bf16_index")
+    g = generator_for(request)
+    tokens, routing, probs, _ = make_inputs(mod.VARIANT, CASE, DEVICE, g)
+    routing[0, 0] = CASE.E  # an expert that does not exist
+
+    @torch.compile(fullgraph=True, backend=BACKEND)
+    def run(tokens, routing, probs):
+        return mod.permute(tokens, routing, probs, num_experts=CASE.E).tokens
+
+    with pytest.raises(ValueError, match="expert ids must be in"):
+        run(tokens, routing, probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library.opcheck: schema, autograd registration, fake implementation, AOT dispatch
+# ---------------------------------------------------------------------------------------------
+
+def op_samples(mod, g, num_out_tokens):
+    """(op name, args) for every op of the variant, on OPCHECK_CASE.
+
+    opcheck compares outputs of separate runs bit for bit. A mask-routing row map leaves the slots
+    past each token's route count unwritten (never read), so mask routing runs with topk = k here,
+    where every token's k routes fill every slot."""
+    v, ops, case = mod.VARIANT, mod._ops, OPCHECK_CASE
+    tokens, routing, probs, scale = make_inputs(v, case, DEVICE, g)
+    hint = {"topk": case.k} if v["routing"] == "mask" else {}
+    res = mod.permute(tokens, routing, probs, scale, num_experts=case.E, num_out_tokens=num_out_tokens, **hint)
+    rim = res.row_id_map
+    rows, sizes = rim.num_rows, (rim.num_tokens, rim.width, rim.num_experts)
+    cdt = ops.combine_dtype
+    permuted = random_like((rows, case.H), cdt, DEVICE, g)
+    grad_out = random_like((case.N, case.H), cdt, DEVICE, g)
+    grad_rows = random_like((rows, case.H), cdt, DEVICE, g)
+    differentiable_tokens = tokens.clone().requires_grad_(not is_fp8(v))
+    samples = [
+        ("permute", (differentiable_tokens, routing, None if probs is None else probs.clone().requires_grad_(),
+                     scale, rim.num_experts, rim.width, num_out_tokens, num_out_tokens is None)),
+        ("unpermute", (permuted.clone().requires_grad_(), rim.row_map, None, *sizes)),
+        ("permute_backward", (rim.row_map, grad_rows, *sizes, rows)),
+        ("unpermute_backward", (rim.row_map, grad_out, *sizes, rows)),
+    ]
+    if v["probs"]:
+        merging = torch.rand(routing.shape, generator=g).to(DEVICE)
+        grad_probs = torch.randn(rows, generator=g).to(DEVICE)
+        samples += [
+            ("unpermute", (permuted.clone().requires_grad_(), rim.row_map, merging.clone().requires_grad_(),
+                           *sizes)),
+            ("permute_backward_probs", (rim.row_map, grad_rows, grad_probs, *sizes, rows, routing.shape[1],
+                                        probs.dtype)),
+            ("permute_backward_probs", (rim.row_map, None, grad_probs, *sizes, rows, routing.shape[1],
+                                        probs.dtype)),
+            ("unpermute_backward_probs", (rim.row_map, grad_out, permuted, merging, *sizes)),
+        ]
+    return samples
+
+
+@pytest.mark.parametrize("name", TRITON_VARIANTS)
+def test_opcheck(name, request):
+    """Every op of the variant passes torch.library.opcheck, permute with and without num_out_tokens."""
+    mod = load("triton", name)
+    g = generator_for(request)
+    needed = needed_rows(mod.VARIANT, make_inputs(mod.VARIANT, OPCHECK_CASE, DEVICE, generator_for(request))[1],
+                         OPCHECK_CASE.E)
+    samples = op_samples(mod, g, needed)
+    samples.append(op_samples(mod, g, None)[0])
+    for op, args in samples:
+        utils = OPCHECK_UTILS
+        if op == "permute" and is_fp8(mod.VARIANT):
+            # The schema and AOT checks reduce fp8 tensors (sum, mul), which the CPU has no fp8 kernels
+            # for; test_compiled_layer_matches_eager compiles these variants' permute instead.
+            utils = ("test_autograd_registration", "test_faketensor")
+        torch.library.opcheck(mod._ops.custom_ops[op], args, test_utils=utils)
+
+
+def test_every_op_is_registered_in_the_permgen_namespace():
+    for name in TRITON_VARIANTS:
+        ops = load("triton", name)._ops
+        want = {"permute", "unpermute", "permute_backward", "unpermute_backward"}
+        if permgen.VARIANTS[name]["probs"]:
+            want |= {"permute_backward_probs", "unpermute_backward_probs"}
+        assert set(ops.op) == want
+        for op, overload in ops.op.items():
+            assert overload.name() == f"permgen::{ops.prefix}_{op}"
+            assert ops.prefix.startswith(f"triton_{name}")
