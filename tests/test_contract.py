@@ -65,8 +65,9 @@ def valid_inputs(target: str, name: str):
         kw = {} if v["routing"] == "mask" else {"num_experts": E}
         res = mod.permute(tokens, routing, probs, scale, **kw)
         combine = torch.randn(res.tokens.shape, generator=g).to(combine_dtype(v)).to(device)
+        # device: as messages name it (cuda:0, not cuda)
         _inputs_cache[key] = SimpleNamespace(tokens=tokens, routing=routing, probs=probs, scale=scale, kw=kw,
-                                             res=res, combine=combine, variant=v, device=device)
+                                             res=res, combine=combine, variant=v, device=tokens.device)
     return _inputs_cache[key]
 
 
