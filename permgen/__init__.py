@@ -6,13 +6,19 @@
 
 `permgen.VARIANTS` lists the generated variants (name -> axes). The generated kernels are the
 package `permgen.generated` (the repository's generated/ folder); this package is the runtime
-they share. Importing it is cheap: torch is loaded only when a result type or kernel is used.
+they share. TransformerEngine's functions (`permgen.moe_permute`, `moe_unpermute`, ...; see
+permgen.te) dispatch to the generated variants. Importing permgen is cheap: torch is loaded only
+when a result type, a kernel or one of those functions is used.
 """
 
 from . import contract
 from .registry import find_variant, get_kernel
 
-__all__ = ["VARIANTS", "PermuteResult", "RowIdMap", "contract", "find_variant", "get_kernel"]
+# TransformerEngine's function names (permgen.te), loaded with torch on first use.
+TE_FUNCTIONS = ("moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+                "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs")
+
+__all__ = ["VARIANTS", "PermuteResult", "RowIdMap", "contract", "find_variant", "get_kernel", *TE_FUNCTIONS]
 
 
 def __getattr__(name):
@@ -22,4 +28,7 @@ def __getattr__(name):
     if name in ("PermuteResult", "RowIdMap"):
         from . import results
         return getattr(results, name)
+    if name in TE_FUNCTIONS:
+        from . import te
+        return getattr(te, name)
     raise AttributeError(f"module 'permgen' has no attribute {name!r}")

@@ -1,0 +1,298 @@
+"""TransformerEngine's permutation API served by permgen (permgen.te), eagerly and compiled.
+
+Written from TE's documented behaviour: index maps put rows in the order of a stable sort of the
+flattened expert ids; mask maps group rows by expert, ascending token; num_out_tokens below the
+route count drops the tail; padding rounds each expert's rows up to align_size with zero rows;
+unpermute sums each token's rows weighted by merging_probs. Each test runs eagerly and under
+torch.compile(fullgraph=True) (backend="aot_eager" on the CPU, where the kernels are interpreted).
+A dtype, map type or alignment with no generated variant must raise the registry's LookupError.
+"""
+
+import pytest
+import torch
+
+import permgen
+from cases import (DEVICE, HAS_CUDA, PROB_GRAD_TOL, SUM_TOL, assert_bits_equal, expert_ids, generator_for,
+                   routing_from_ids)
+from reference import permute_ref, unpermute_ref
+
+BACKEND = "inductor" if HAS_CUDA else "aot_eager"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ["eager", "compiled"]
+N, H, E, K = 13, 24, 5, 2
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def generated(dtype, routing, probs, pad=0):
+    return any(v["dtype"] == dtype and v["routing"] == routing and v["probs"] == probs and v["pad"] == pad
+               and v["scale"] == "none" and "triton" in v["targets"] for v in permgen.VARIANTS.values())
+
+
+def compiled_if(mode, fn):
+    return torch.compile(fn, fullgraph=True, backend=BACKEND) if mode == "compiled" else fn
+
+
+def inputs(g, dtype, n=N, columns=E):
+    tokens = (torch.randn(n, H, generator=g) * 4).to(DTYPES[dtype]).to(DEVICE)
+    ids = expert_ids(n, E, K, g)
+    probs = torch.rand(n, columns, generator=g).to(DEVICE)
+    return tokens, ids.to(DEVICE), probs
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def assert_close(got, want, what, tol=None):
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **(tol or SUM_TOL[want.dtype]), msg=lambda m: f"{what}: {m}")
+
+
+# Token grads here add several paths' bf16/fp16 grads (autograd sums them in that dtype, in an order
+# that differs between the kernels and the reference): a few ulps of the largest grad.
+TOKEN_GRAD_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=8e-2), torch.float16: dict(rtol=2e-3, atol=1e-2),
+                  torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def check_grads(ours, ref, leaves_ours, leaves_ref, g):
+    """Backward of every output (random grads) through ours and through the reference: input grads agree."""
+    grads = [torch.randn(o.shape, generator=g).to(o.dtype).to(DEVICE) for o in ref]
+    torch.autograd.backward(list(ours), grads)
+    torch.autograd.backward(list(ref), grads)
+    for i, (a, b) in enumerate(zip(leaves_ours, leaves_ref)):
+        assert_close(a.grad, b.grad, f"grad {i}", TOKEN_GRAD_TOL[a.dtype] if i == 0 else PROB_GRAD_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask maps
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cap", ["all", "dropped"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_map_with_probs(dtype, cap, mode, request):
+    """moe_permute_with_probs -> expert work -> moe_unpermute(merging_probs), forward and backward."""
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, dtype)
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    num_out_tokens = N * K * 2 // 3 if cap == "dropped" else -1
+    if not generated(dtype, "mask", True):
+        with pytest.raises(LookupError, match=r"\[\[variant\]\]"):
+            permgen.moe_permute_with_probs(tokens, probs, mask, num_out_tokens)
+        return
+
+    def layer(inp, p):
+        out, permuted_probs, row_id_map = permgen.moe_permute_with_probs(inp, p, mask, num_out_tokens)
+        expert_out = out * 2
+        unpermuted = permgen.moe_unpermute(expert_out, row_id_map, p, restore_shape=inp.shape)
+        return out, permuted_probs, row_id_map, unpermuted
+
+    inp, p = leaf(tokens), leaf(probs)
+    out, permuted_probs, row_id_map, unpermuted = compiled_if(mode, layer)(inp, p)
+    inp_r, p_r = leaf(tokens), leaf(probs)
+    ref_out, ref_probs, _, _, routes = permute_ref(inp_r, mask, routing_kind="mask", num_experts=E, probs=p_r,
+                                                   num_out_tokens=None if num_out_tokens < 0 else num_out_tokens)
+    ref_unpermuted = unpermute_ref(ref_out * 2, routes, N, p_r)
+    assert_bits_equal(out, ref_out, "output")
+    assert_bits_equal(permuted_probs, ref_probs, "permuted_probs")
+    assert row_id_map.dtype == torch.int32 and row_id_map.shape == (N + 1, 2 * E + 1)
+    assert_close(unpermuted, ref_unpermuted, "unpermuted")
+    check_grads((out, permuted_probs, unpermuted), (ref_out, ref_probs, ref_unpermuted), (inp, p), (inp_r, p_r), g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_map_without_probs(dtype, request):
+    """moe_permute (no probs) needs a variant without probs: none is generated for mask maps in the
+    default spec, and the error says which [[variant]] to add."""
+    tokens, ids, _ = inputs(generator_for(request), dtype)
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    if generated(dtype, "mask", False):
+        out, row_id_map = permgen.moe_permute(tokens, mask)
+        ref_out = permute_ref(tokens, mask, routing_kind="mask", num_experts=E)[0]
+        assert_bits_equal(out, ref_out, "output")
+        return
+    with pytest.raises(LookupError, match=rf'(?s)\[\[variant\]\].*dtype = "{dtype}".*routing = "mask".*probs = false'):
+        permgen.moe_permute(tokens, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Index maps
+# ---------------------------------------------------------------------------------------------
+
+def te_index_order(ids, num_out_tokens):
+    """TE's index-map rows: a stable sort of the flattened expert ids; row r holds token order[r] // k."""
+    order = torch.argsort(ids.reshape(-1).long(), stable=True)
+    return order if num_out_tokens is None else order[:num_out_tokens]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cap", ["all", "dropped"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_index_map(dtype, cap, mode, request):
+    """moe_permute(map_type='index') -> moe_unpermute with merging_probs [N, k], and as a plain sum."""
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, dtype, columns=K)
+    num_out_tokens = N * K * 2 // 3 if cap == "dropped" else -1
+    if not generated(dtype, "index", False):
+        with pytest.raises(LookupError, match=r"\[\[variant\]\]"):
+            permgen.moe_permute(tokens, ids, num_out_tokens, map_type="index", num_experts=E)
+        return
+
+    def layer(inp, p):
+        out, row_id_map = permgen.moe_permute(inp, ids, num_out_tokens, map_type="index", num_experts=E)
+        merged = permgen.moe_unpermute(out * 2, row_id_map, p, map_type="index")
+        summed = permgen.moe_unpermute(out, row_id_map, restore_shape=inp.shape, map_type="index", topk=K)
+        return out, merged, summed
+
+    inp, p = leaf(tokens), leaf(probs)
+    out, merged, summed = compiled_if(mode, layer)(inp, p)
+    # The reference, from TE's definition: row r is token order[r] // k; unpermute adds each kept row back.
+    inp_r, p_r = leaf(tokens), leaf(probs)
+    order = te_index_order(ids, None if num_out_tokens < 0 else num_out_tokens)
+    token = order // K
+    ref_out = inp_r[token]
+    weights = p_r.reshape(-1)[order].float()[:, None]
+    ref_merged = torch.zeros(N, H).index_add(0, token, (ref_out * 2).float() * weights).to(tokens.dtype)
+    ref_summed = torch.zeros(N, H).index_add(0, token, ref_out.float()).to(tokens.dtype)
+    assert_bits_equal(out, ref_out, "output")
+    assert_close(merged, ref_merged, "merged")
+    assert_close(summed, ref_summed, "summed")
+    check_grads((out, merged, summed), (ref_out, ref_merged, ref_summed), (inp, p), (inp_r, p_r), g)
+
+
+def test_index_map_expert_count_from_the_routing(request):
+    """Eagerly, moe_permute(map_type='index') reads the expert count from the ids, as TE needs none."""
+    tokens, ids, _ = inputs(generator_for(request), "bf16", columns=K)
+    out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
+    assert_bits_equal(out, tokens[te_index_order(ids, None) // K], "output")
+    experts = int(ids.max()) + 1
+    assert row_id_map.shape == (N * K + 2 * experts + 1,)
+
+
+def test_index_map_without_num_experts_does_not_compile(request):
+    tokens, ids, _ = inputs(generator_for(request), "bf16", columns=K)
+    run = torch.compile(lambda t: permgen.moe_permute(t, ids, map_type="index")[0], fullgraph=True, backend=BACKEND)
+    with pytest.raises(Exception, match="num_experts"):
+        run(tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype, align", [("bf16", 128), ("bf16", 16), ("fp16", 128)])
+def test_permute_and_pad_with_merging_probs(dtype, align, mode, request):
+    """Each expert's rows rounded up to align_size (zero rows); unpermute with pad_offsets and merging probs."""
+    g = generator_for(request)
+    n, experts = 7, 3
+    tokens = (torch.randn(n, H, generator=g) * 4).to(DTYPES[dtype]).to(DEVICE)
+    ids = expert_ids(n, experts, K, g)
+    mask = routing_from_ids({"routing": "mask"}, ids, experts).to(DEVICE)
+    probs = torch.rand(n, experts, generator=g).to(DEVICE)
+    tokens_per_expert = mask.sum(0)
+    if not generated(dtype, "mask", True, align):
+        with pytest.raises(LookupError, match=rf"(?s)\[\[variant\]\].*pad = {align}"):
+            permgen.moe_permute_and_pad_with_probs(tokens, probs, mask, tokens_per_expert, align)
+        return
+
+    def layer(inp, p):
+        out, permuted_probs, row_id_map, pad_offsets, padded = permgen.moe_permute_and_pad_with_probs(
+            inp, p, mask, tokens_per_expert, align)
+        unpermuted = permgen.moe_unpermute(out * 2, row_id_map, p, restore_shape=inp.shape, pad_offsets=pad_offsets)
+        return out, permuted_probs, pad_offsets, padded, unpermuted
+
+    inp, p = leaf(tokens), leaf(probs)
+    out, permuted_probs, pad_offsets, padded, unpermuted = compiled_if(mode, layer)(inp, p)
+    want_padded = (tokens_per_expert + align - 1) // align * align
+    assert padded.dtype == torch.int64 and torch.equal(padded.cpu(), want_padded.cpu())
+    pad_rows = want_padded - tokens_per_expert
+    assert torch.equal(pad_offsets.cpu(), (torch.cumsum(pad_rows, 0) - pad_rows).cpu())
+    inp_r, p_r = leaf(tokens), leaf(probs)
+    ref_out, ref_probs, _, _, routes = permute_ref(inp_r, mask, routing_kind="mask", num_experts=experts, probs=p_r,
+                                                   pad=align)
+    ref_unpermuted = unpermute_ref(ref_out * 2, routes, n, p_r)
+    assert_bits_equal(out, ref_out, "output (pad rows are zeros)")
+    assert_bits_equal(permuted_probs, ref_probs, "permuted_probs")
+    assert_close(unpermuted, ref_unpermuted, "unpermuted")
+    check_grads((out, permuted_probs, unpermuted), (ref_out, ref_probs, ref_unpermuted), (inp, p), (inp_r, p_r), g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Empty input, chunk sort, arguments
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_input(mode, request):
+    tokens, ids, probs = inputs(generator_for(request), "bf16", n=0)
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+
+    def layer(inp, p):
+        out, permuted_probs, row_id_map = permgen.moe_permute_with_probs(inp, p, mask)
+        return out, permuted_probs, permgen.moe_unpermute(out, row_id_map, p, restore_shape=inp.shape)
+
+    out, permuted_probs, unpermuted = compiled_if(mode, layer)(tokens, probs)
+    assert out.shape == (0, H) and permuted_probs.shape == (0,) and unpermuted.shape == (0, H)
+    index_out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index", num_experts=E)
+    assert index_out.shape == (0, H)
+    merged = permgen.moe_unpermute(index_out, row_id_map, torch.rand(0, K, device=DEVICE), map_type="index")
+    assert merged.shape == (0, H)
+
+
+def chunk_sort_ref(inp, split_sizes, sorted_idxs):
+    chunks = torch.split(inp, split_sizes.tolist(), dim=0)
+    return torch.cat([chunks[i] for i in sorted_idxs.tolist()], dim=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("with_probs", [False, True], ids=["tokens", "with_probs"])
+def test_sort_chunks_by_index(with_probs, mode, request):
+    g = generator_for(request)
+    split_sizes = torch.tensor([3, 0, 5, 2, 3])
+    sorted_idxs = torch.tensor([2, 0, 4, 1, 3])
+    tokens = torch.randn(int(split_sizes.sum()), H, generator=g).to(torch.bfloat16).to(DEVICE)
+    probs = torch.rand(tokens.shape[0], generator=g).to(DEVICE)
+    inp, p = leaf(tokens), leaf(probs)
+    if with_probs:
+        out, out_probs = compiled_if(mode, permgen.moe_sort_chunks_by_index_with_probs)(inp, p, split_sizes,
+                                                                                        sorted_idxs)
+        assert_bits_equal(out_probs, chunk_sort_ref(probs, split_sizes, sorted_idxs), "probs")
+        (out.float().sum() + out_probs.sum()).backward()
+        assert torch.equal(p.grad, torch.ones_like(probs))
+    else:
+        out = compiled_if(mode, permgen.moe_sort_chunks_by_index)(inp, split_sizes, sorted_idxs)
+        out.float().sum().backward()
+    assert_bits_equal(out, chunk_sort_ref(tokens, split_sizes, sorted_idxs), "output")
+    assert torch.equal(inp.grad, torch.ones_like(tokens))
+
+
+def test_deprecated_probs_argument(request):
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, "bf16")
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    out, _, row_id_map = permgen.moe_permute_with_probs(tokens, probs, mask)
+    with pytest.warns(UserWarning, match="deprecated"):
+        old = permgen.moe_unpermute(out, row_id_map, probs=probs)
+    assert_bits_equal(old, permgen.moe_unpermute(out, row_id_map, merging_probs=probs), "probs= vs merging_probs=")
+    with pytest.raises(ValueError, match="Both merging_probs and probs"):
+        permgen.moe_unpermute(out, row_id_map, merging_probs=probs, probs=probs)
+
+
+def test_bad_arguments(request):
+    tokens, ids, probs = inputs(generator_for(request), "bf16")
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    with pytest.raises(ValueError, match="map_type"):
+        permgen.moe_permute(tokens, mask, map_type="dense")
+    with pytest.raises(TypeError, match="dtype"):
+        permgen.moe_permute_with_probs(tokens.to(torch.int32), probs, mask)
+    out, _, row_id_map = permgen.moe_permute_with_probs(tokens, probs, mask)
+    with pytest.raises(ValueError, match="restore_shape"):
+        permgen.moe_unpermute(out, row_id_map, probs, restore_shape=(N + 1, H))
+    with pytest.raises(ValueError, match="restore_shape"):
+        permgen.moe_unpermute(out, row_id_map.reshape(-1), map_type="index")
