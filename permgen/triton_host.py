@@ -40,6 +40,7 @@ class TritonKernels(NamedTuple):
     scatter_routes: JITFunction
     unpermute: Optional[JITFunction] = None
     permute_backward: Optional[JITFunction] = None
+    route_prob_grads: Optional[JITFunction] = None  # permute's backward for the probs alone
     unpermute_backward: Optional[JITFunction] = None
 
 
@@ -262,14 +263,20 @@ class TritonBackend:
         if grad_out_probs is not None:
             shape, dtype = probs_meta
             grad_probs = torch.empty(shape, dtype=dtype, device=grad_out_probs.device)
-            if num_tokens:
+            grad_out_probs = grad_out_probs.contiguous()
+            if num_tokens and grad_out is not None:
                 # One launch for both: the prob grads ride along with the row sums.
-                meta = self._route_meta(row_id_map, 16 if grad_out is None else _row_block(grad_out))
+                meta = self._route_meta(row_id_map, _row_block(grad_out))
                 if self.mask:
                     meta.update(E_POW2=_pow2(row_id_map.num_experts))
-                _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map,
-                        grad_out_probs.contiguous(), grad_probs, grad_tokens, num_tokens,
-                        0 if grad_out is None else grad_out.shape[1], **meta)
+                _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map, grad_out_probs,
+                        grad_probs, grad_tokens, num_tokens, grad_out.shape[1], **meta)
+            elif num_tokens:
+                meta = dict(K=row_id_map.width, ROUTES=self._route_tile(row_id_map.width, row_id_map.num_experts))
+                if self.mask:
+                    meta.update(E=row_id_map.num_experts, E_POW2=_pow2(row_id_map.num_experts))
+                _launch(self.kernels.route_prob_grads, num_tokens, row_id_map.row_map, grad_out_probs, grad_probs,
+                        num_tokens, **meta, num_warps=_NUM_WARPS)
         elif grad_out is not None and num_tokens:
             _launch(self.kernels.sum_routes, num_tokens, grad_out, row_id_map.row_map, grad_tokens, num_tokens,
                     grad_out.shape[1], **self._route_meta(row_id_map, _row_block(grad_out)))

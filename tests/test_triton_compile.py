@@ -62,6 +62,10 @@ def record_launches(module, jit_function_class):
     if outputs:
         torch.autograd.grad(outputs, [t for t in (tokens, probs) if t is not None and t.requires_grad],
                             [torch.ones_like(o) for o in outputs])
+    if probs is not None and tokens.requires_grad:  # the probs-only backward has its own kernel
+        only_probs = module.permute(tokens.detach(), routing, probs, scale, num_experts=case.E, num_out_tokens=20,
+                                    check_routing=False, **extra)
+        torch.autograd.grad(only_probs.probs, probs, torch.ones_like(only_probs.probs))
     permuted = torch.zeros(20, case.H, dtype=combine_dtype(v), requires_grad=True)
     for merging in ([None, torch.rand(probs.shape, requires_grad=True)] if probs is not None else [None]):
         out = module.unpermute(permuted, res.row_id_map, merging)
