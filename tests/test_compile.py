@@ -178,12 +178,13 @@ def op_samples(mod, g, num_out_tokens):
         samples += [
             ("unpermute", (permuted.clone().requires_grad_(), rim.row_map, merging.clone().requires_grad_(),
                            *sizes)),
-            ("permute_backward_probs", (rim.row_map, grad_rows, grad_probs, *sizes, rows, routing.shape[1],
-                                        probs.dtype)),
             ("permute_backward_probs", (rim.row_map, None, grad_probs, *sizes, rows, routing.shape[1],
                                         probs.dtype)),
             ("unpermute_backward_probs", (rim.row_map, grad_out, permuted, merging, *sizes)),
         ]
+        if not is_fp8(v):  # fp8 tokens carry no gradient: their permute backward has the probs-only form
+            samples.append(("permute_backward_probs", (rim.row_map, grad_rows, grad_probs, *sizes, rows,
+                                                       routing.shape[1], probs.dtype)))
     return samples
 
 
