@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU build this project is tested with; the suite needs no GPU.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: generate check list test install-system test-gpu bench clean
+.PHONY: generate check list test test-gpu bench clean
 
 $(VENV)/.generator-deps:
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -34,15 +34,13 @@ test: $(VENV)/.test-deps
 	$(PY) -m pytest -q -n 2 tests
 
 # On the GPU machine: the same suite, kernels running natively on the GPU (torch, triton, numpy,
-# ml_dtypes, pytest, hypothesis preinstalled; the editable install needs no network).
-install-system:
-	$(PYTHON_SYS) -m pip install -q --no-deps --no-build-isolation -e .
-
-test-gpu: install-system
+# ml_dtypes, pytest, hypothesis preinstalled). The checkout is used as it is, not installed:
+# permgen serves ../generated as permgen.generated.
+test-gpu:
 	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n 8 tests
 
-bench: install-system
-	$(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
+bench:
+	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -11,8 +11,30 @@ permgen.te) dispatch to the generated variants. Importing permgen is cheap: torc
 when a result type, a kernel or one of those functions is used.
 """
 
+import importlib.util
+import os
+import sys
+
 from . import contract
-from .registry import find_variant, get_kernel
+from .registry import GENERATED, find_variant, get_kernel
+
+
+def _serve_checkout_kernels():
+    """An installed wheel (or editable install) has permgen.generated; a source checkout used
+    without installing keeps the generated kernels in ../generated: serve them under that name."""
+    if importlib.util.find_spec(GENERATED) is not None:
+        return
+    init = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generated", "__init__.py")
+    if not os.path.isfile(init):
+        return
+    spec = importlib.util.spec_from_file_location(GENERATED, init, submodule_search_locations=[os.path.dirname(init)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[GENERATED] = module
+    spec.loader.exec_module(module)
+    globals()["generated"] = module  # as the import system binds a loaded submodule on its parent
+
+
+_serve_checkout_kernels()
 
 # TransformerEngine's function names (permgen.te), loaded with torch on first use.
 TE_FUNCTIONS = ("moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
