@@ -212,7 +212,7 @@ def check_unpermute(variant: dict, permuted, row_id_map, merging_probs, restore_
     device = row_id_map.row_map.device
     check_tensor(variant, "permuted", permuted, (row_id_map.num_rows, None), (combine_dtype(variant),), device)
     if restore_shape is not None:
-        if not isinstance(restore_shape, (tuple, list)) and type(restore_shape).__name__ != "Size":
+        if not isinstance(restore_shape, (tuple, list)):  # torch.Size is a tuple
             raise TypeError(f"{where}: restore_shape must be a sequence (N, H), got {restore_shape!r}")
         if tuple(restore_shape) != (num_tokens, permuted.shape[1]):
             raise ValueError(f"{where}: restore_shape {tuple(restore_shape)} does not match the row map's "
