@@ -23,10 +23,9 @@ AXES = ("dtype", "routing", "probs", "scale", "pad", "targets")
 # Values every variant gets unless it or [defaults] says otherwise.
 AXIS_DEFAULTS = {"probs": True, "scale": "none", "pad": 0, "targets": list(TARGETS)}
 
-# The torch dtype (by attribute name) of each token dtype, and how many bytes an element has.
+# The torch dtype (by attribute name) of each token dtype.
 TOKEN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                      "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-ITEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # scale kind -> (token columns per scale, torch dtype name of the scales)
 SCALE_FORMATS = {"block128": (128, "float32"), "mx32": (32, "uint8")}
 PROB_DTYPE_NAMES = ("float32", "bfloat16", "float16")
