@@ -209,3 +209,21 @@ class NkiBackend:
                     torch.zeros(merging_probs.shape, dtype=merging_probs.dtype))
         return self._run(self.kernels.unpermute_backward, grad_out, permuted, row_id_map.row_map, merging_probs,
                          **self._sizes(row_id_map))
+
+    # -- chunk sort (bound by the module after its chunk sort kernels: Ops.bind_sort_chunks) --------
+
+    def bind_sort_chunks(self, rows_kernel, rows_and_probs_kernel=None):
+        self.sort_chunks_kernels = (rows_kernel, rows_and_probs_kernel)
+
+    def sort_chunks(self, rows, tokens, probs):
+        """out[r] = tokens[rows[r]] (and probs); kernels take no empty tensors, so none runs for N = 0."""
+        rows_kernel, rows_and_probs_kernel = self.sort_chunks_kernels
+        num_rows, hidden = tokens.shape
+        if num_rows == 0:
+            return torch.zeros_like(tokens), None if probs is None else torch.zeros_like(probs)
+        moved = tokens if hidden else torch.zeros((num_rows, 1), dtype=tokens.dtype)  # a zero column stands in
+        rows = rows.to(torch.int32).reshape(num_rows, 1)
+        if probs is None:
+            return self._run(rows_kernel, moved, rows)[:, :hidden], None
+        out, out_probs = self._run(rows_and_probs_kernel, moved, probs.reshape(num_rows, 1), rows)
+        return out[:, :hidden], out_probs.reshape(num_rows)

@@ -1,7 +1,9 @@
-"""permute and unpermute, written once for every variant and target, and their torch.library ops.
+"""permute, unpermute and the chunk sort, written once for every variant and target, and their
+torch.library ops.
 
 A generated module binds its kernels to a target backend (`permgen.triton_host.TritonBackend`,
-`permgen.nki_host.NkiBackend`) and exposes `Ops(VARIANT, backend).permute / .unpermute`. This
+`permgen.nki_host.NkiBackend`) and exposes `Ops(VARIANT, backend).permute / .unpermute /
+.sort_chunks` (the last once `bind_sort_chunks` gave it the chunk sort kernels). This
 module checks the arguments (permgen.contract), runs the backend, and registers each variant's ops
 as `torch.library` custom ops; a backend only allocates and launches. Backend methods:
 
@@ -12,6 +14,8 @@ as `torch.library` custom ops; a backend only allocates and launches. Backend me
         -> (grad_tokens | None, grad_probs | None)
     unpermute_backward(row_id_map, grad_out, permuted | None, merging_probs | None)
         -> (grad_permuted, grad_probs | None)
+    bind_sort_chunks(rows_kernel, rows_and_probs_kernel=None)
+    sort_chunks(rows, tokens, probs | None) -> (out, out_probs | None)    out[r] = tokens[rows[r]]
 
 Custom ops. Each variant registers, in the `permgen` namespace and under the prefix
 `<target>_<variant>_` (e.g. `permgen::triton_probs_bf16_mask_permute`):
@@ -25,6 +29,9 @@ Custom ops. Each variant registers, in the `permgen` namespace and under the pre
     permute_backward_probs   (row_map, grad_out?, grad_out_probs, ..., prob_columns, probs_dtype)
                               -> (grad_tokens ([N, 0] without grad_out), grad_probs)
     unpermute_backward_probs (row_map, grad_out, permuted, merging_probs, ...) -> (grad_permuted, grad_probs)
+  and, once the module binds its chunk sort kernels (bind_sort_chunks):
+    sort_chunks              (tokens, rows, inverse) -> out
+    sort_chunks_probs        (tokens, probs, rows, inverse) -> (out, out_probs)     variants with probs
 
 Only tensors and ints cross an op boundary: the row map travels as its int32 tensor and
 `RowIdMap` is rebuilt in Python from the static sizes. permute and unpermute carry registered
@@ -39,7 +46,8 @@ through the ops. Both run the same backend code on the same arguments, so result
 
 import torch
 
-from .contract import PermutePlan, check_permute, check_unpermute, combine_dtype, routing_error, token_dtype
+from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, prob_dtypes,
+                       routing_error, token_dtype)
 from .results import PermuteResult, RowIdMap
 
 NAMESPACE = "permgen"
@@ -55,6 +63,29 @@ def _prefix(target: str, name: str) -> str:
         prefix = f"{target}_{name}_{number}"
     _TAKEN.add(prefix)
     return prefix
+
+
+def chunk_rows(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
+    """(rows, inverse), int32 [num_rows] each: output row r of the chunk sort is input row rows[r],
+    and input row i lands at inverse[i]. Built with torch ops (traceable; no host sync)."""
+    where = variant["name"]
+    for name, t in (("split_sizes", split_sizes), ("sorted_idxs", sorted_idxs)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{where}: {name} must be a 1-D integer tensor")
+    if split_sizes.shape != sorted_idxs.shape:
+        raise ValueError(f"{where}: split_sizes {list(split_sizes.shape)} and sorted_idxs "
+                         f"{list(sorted_idxs.shape)} must have one entry per chunk")
+    sizes = split_sizes.to(device=device, dtype=torch.int64)
+    order = sorted_idxs.to(device=device, dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes
+    out_sizes = sizes[order]
+    out_starts = torch.cumsum(out_sizes, 0) - out_sizes
+    chunk = torch.repeat_interleave(torch.arange(order.shape[0], device=device), out_sizes, output_size=num_rows)
+    rows = starts[order][chunk] + torch.arange(num_rows, device=device) - out_starts[chunk]
+    # Sizes that do not sum to N would make rows out of range: clamped, nothing is read out of bounds.
+    rows = rows.clamp(0, max(num_rows - 1, 0))
+    inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(num_rows, device=device))
+    return rows.to(torch.int32), inverse.to(torch.int32)
 
 
 def _route_words(mask: bool, num_tokens, width):
@@ -119,16 +150,19 @@ class Ops:
                 self._unpermute_backward_probs_impl, self._unpermute_backward_probs_fake,
                 f"(Tensor row_map, Tensor grad_out, Tensor permuted, Tensor merging_probs, {sizes}) "
                 "-> (Tensor grad_permuted, Tensor grad_probs)")
-        self.custom_ops = {}
-        for op, (impl, fake, schema) in defs.items():
-            custom = torch.library.custom_op(f"{NAMESPACE}::{p}_{op}", impl, mutates_args=(), schema=schema)
-            custom.register_fake(fake)
-            self.custom_ops[op] = custom
+        self.custom_ops, self.op = {}, {}
+        self._define(defs)
         self.custom_ops["permute"].register_autograd(self._permute_backward, setup_context=self._permute_setup)
         self.custom_ops["unpermute"].register_autograd(self._unpermute_backward, setup_context=self._unpermute_setup)
+
+    def _define(self, defs):
+        """Register {op: (implementation, fake implementation, schema)} under this variant's prefix."""
         ns = getattr(torch.ops, NAMESPACE)
-        # OpOverloads: the cheapest handle to call.
-        self.op = {op: getattr(ns, f"{p}_{op}").default for op in defs}
+        for op, (impl, fake, schema) in defs.items():
+            custom = torch.library.custom_op(f"{NAMESPACE}::{self.prefix}_{op}", impl, mutates_args=(), schema=schema)
+            custom.register_fake(fake)
+            self.custom_ops[op] = custom
+            self.op[op] = getattr(ns, f"{self.prefix}_{op}").default  # an OpOverload: the cheapest handle to call
 
     # -- permute -----------------------------------------------------------------------------------
 
@@ -251,6 +285,75 @@ class Ops:
     def _unpermute_backward_probs_fake(self, row_map, grad_out, permuted, merging_probs, num_tokens, width,
                                        num_experts):
         return grad_out.new_empty((permuted.shape[0], grad_out.shape[1])), torch.empty_like(merging_probs)
+
+    # -- chunk sort --------------------------------------------------------------------------------
+
+    def bind_sort_chunks(self, *kernels):
+        """Give the backend the variant's chunk sort kernels (rows; with probs also rows and probs) and
+        register the ops `sort_chunks` (tokens, rows, inverse) -> out and, with probs,
+        `sort_chunks_probs` (tokens, probs, rows, inverse) -> (out, out_probs). The backward pass of
+        each is the same op with rows and inverse swapped."""
+        self.backend.bind_sort_chunks(*kernels)
+        defs = {"sort_chunks": (self._sort_chunks_impl, self._sort_chunks_fake,
+                                "(Tensor tokens, Tensor rows, Tensor inverse) -> Tensor")}
+        if self.has_probs:
+            defs["sort_chunks_probs"] = (self._sort_chunks_probs_impl, self._sort_chunks_probs_fake,
+                                         "(Tensor tokens, Tensor probs, Tensor rows, Tensor inverse) "
+                                         "-> (Tensor out, Tensor out_probs)")
+        self._define(defs)
+        self.custom_ops["sort_chunks"].register_autograd(self._sort_chunks_backward,
+                                                         setup_context=self._sort_chunks_setup)
+        if self.has_probs:
+            self.custom_ops["sort_chunks_probs"].register_autograd(self._sort_chunks_probs_backward,
+                                                                   setup_context=self._sort_chunks_setup)
+
+    def _sort_chunks_impl(self, tokens, rows, inverse):
+        return self.backend.sort_chunks(rows, tokens.contiguous(), None)[0]
+
+    def _sort_chunks_fake(self, tokens, rows, inverse):
+        return torch.empty_like(tokens, memory_format=torch.contiguous_format)
+
+    def _sort_chunks_probs_impl(self, tokens, probs, rows, inverse):
+        return self.backend.sort_chunks(rows, tokens.contiguous(), probs.contiguous())
+
+    def _sort_chunks_probs_fake(self, tokens, probs, rows, inverse):
+        return (torch.empty_like(tokens, memory_format=torch.contiguous_format),
+                torch.empty_like(probs, memory_format=torch.contiguous_format))
+
+    def _sort_chunks_setup(self, ctx, inputs, output):
+        rows, inverse = inputs[-2:]
+        ctx.save_for_backward(rows, inverse)
+        if self.fp8:
+            ctx.mark_non_differentiable(output[0] if isinstance(output, tuple) else output)
+
+    def _sort_chunks_backward(self, ctx, grad_out):
+        rows, inverse = ctx.saved_tensors
+        return self.op["sort_chunks"](grad_out, inverse, rows), None, None
+
+    def _sort_chunks_probs_backward(self, ctx, grad_out, grad_probs):
+        rows, inverse = ctx.saved_tensors
+        grad_tokens, grad_probs = self.op["sort_chunks_probs"](grad_out, grad_probs, inverse, rows)
+        needs = ctx.needs_input_grad
+        return (grad_tokens if needs[0] else None), (grad_probs if needs[1] else None), None, None
+
+    def sort_chunks(self, tokens, split_sizes, sorted_idxs, probs=None):
+        """Split the rows of tokens [N, H] into chunks of split_sizes (they sum to N) and concatenate
+        the chunks in the order of sorted_idxs (TransformerEngine's moe_sort_chunks_by_index); probs
+        [N] (variants with probs) move with their rows. Differentiable. Returns (out, out_probs | None)."""
+        check_tensor(self.variant, "tokens", tokens, (None, None), (self.token_dtype,), None)
+        num_tokens = tokens.shape[0]
+        if probs is not None:
+            if not self.has_probs:
+                raise ValueError(f"{self.name}: this variant has no probs; use a variant with probs = true")
+            check_tensor(self.variant, "probs", probs, (num_tokens,), prob_dtypes(), tokens.device)
+        self.backend.check_device(tokens)
+        rows, inverse = chunk_rows(self.variant, split_sizes, sorted_idxs, num_tokens, tokens.device)
+        differentiable = tokens.requires_grad or (probs is not None and probs.requires_grad)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and differentiable):
+            if probs is None:
+                return self.op["sort_chunks"](tokens, rows, inverse), None
+            return tuple(self.op["sort_chunks_probs"](tokens, probs, rows, inverse))
+        return self.backend.sort_chunks(rows, tokens, probs)
 
     # -- the public functions ----------------------------------------------------------------------
 

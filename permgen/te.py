@@ -212,41 +212,44 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
 # Chunk sort
 # ---------------------------------------------------------------------------------------------
 
-def _chunk_rows(split_sizes, sorted_idxs, num_rows):
-    """int64 [num_rows]: the source row of each output row (chunks in sorted_idxs order)."""
-    sizes = split_sizes.to(torch.int64)
-    order = sorted_idxs.to(device=sizes.device, dtype=torch.int64)
-    starts = torch.cumsum(sizes, 0) - sizes
-    out_sizes = sizes[order]
-    out_starts = torch.cumsum(out_sizes, 0) - out_sizes
-    chunk = torch.repeat_interleave(torch.arange(order.shape[0], device=sizes.device), out_sizes,
-                                    output_size=num_rows)
-    return starts[order][chunk] + torch.arange(num_rows, device=sizes.device) - out_starts[chunk]
+_AXES = ("dtype", "routing", "probs", "scale", "pad")
 
 
-def _check_chunks(inp, split_sizes, sorted_idxs):
-    if not isinstance(inp, torch.Tensor) or inp.dim() != 2:
-        raise ValueError(f"inp must be a [N, H] tensor, got {getattr(inp, 'shape', type(inp).__name__)}")
-    for name, t in (("split_sizes", split_sizes), ("sorted_idxs", sorted_idxs)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
-            raise ValueError(f"{name} must be a 1-D integer tensor")
-    if split_sizes.shape != sorted_idxs.shape:
-        raise ValueError(f"split_sizes {list(split_sizes.shape)} and sorted_idxs {list(sorted_idxs.shape)} differ")
+def _load_chunk_sort_modules() -> dict:
+    """(dtype, probs) -> a generated Triton module whose chunk sort moves that dtype (with probs: and
+    probs). Every variant has one; the first by name serves its dtype."""
+    known = variants()
+    modules = {}
+    for name in sorted(known):
+        v = known[name]
+        if "triton" in v["targets"]:
+            modules.setdefault((v["dtype"], v["probs"]), get_kernel("triton", **{a: v[a] for a in _AXES}))
+    return modules
+
+
+_CHUNK_SORT_MODULES = _load_chunk_sort_modules()
+
+
+def _chunk_sort_module(inp, with_probs: bool):
+    dtype = _dtype_axis(inp)
+    mod = _CHUNK_SORT_MODULES.get((dtype, with_probs))
+    if mod is None and not with_probs:  # a variant with probs sorts rows alone too
+        mod = _CHUNK_SORT_MODULES.get((dtype, True))
+    if mod is None:
+        return get_kernel("triton", dtype=dtype, routing="mask", probs=with_probs)
+    return mod
 
 
 def moe_sort_chunks_by_index(inp, split_sizes, sorted_idxs):
-    """Split inp's rows into chunks of split_sizes (they sum to N) and concatenate the chunks in the
-    order sorted_idxs gives. Plain torch (a gather), differentiable. Returns output [N, H]."""
-    _check_chunks(inp, split_sizes, sorted_idxs)
-    src = _chunk_rows(split_sizes.to(inp.device), sorted_idxs, inp.shape[0])
-    return inp.index_select(0, src)
+    """Split inp's rows [N, H] into chunks of split_sizes (they sum to N) and concatenate the chunks
+    in the order of sorted_idxs. The generated chunk sort kernel of a variant with inp's dtype;
+    differentiable. Returns output [N, H]."""
+    return _chunk_sort_module(inp, False).sort_chunks(inp, split_sizes, sorted_idxs)[0]
 
 
 def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_idxs):
-    """moe_sort_chunks_by_index, moving probs [N] with the rows. Returns (output, permuted_probs)."""
-    _check_chunks(inp, split_sizes, sorted_idxs)
-    src = _chunk_rows(split_sizes.to(inp.device), sorted_idxs, inp.shape[0])
-    return inp.index_select(0, src), probs.index_select(0, src)
+    """moe_sort_chunks_by_index, moving probs [N] with their rows. Returns (output, permuted_probs)."""
+    return _chunk_sort_module(inp, True).sort_chunks(inp, split_sizes, sorted_idxs, probs)
 
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",

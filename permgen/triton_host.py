@@ -304,3 +304,22 @@ class TritonBackend:
             _launch(self.kernels.scatter_routes, programs, grad_out, row_id_map.row_map, grad_permuted, *sizes, **meta)
         return grad_permuted, None
 
+    # -- chunk sort (bound by the module after its chunk sort kernels: Ops.bind_sort_chunks) --------
+
+    def bind_sort_chunks(self, rows_kernel, rows_and_probs_kernel=None):
+        self.sort_chunks_kernels = (rows_kernel, rows_and_probs_kernel)
+
+    def sort_chunks(self, rows, tokens, probs):
+        """out[r] = tokens[rows[r]] (and probs): one program per row."""
+        rows_kernel, rows_and_probs_kernel = self.sort_chunks_kernels
+        num_rows, hidden = tokens.shape
+        moved = tokens.view(torch.uint8) if self.fp8 else tokens  # fp8 rows move as bytes
+        out = torch.empty_like(moved)
+        out_probs = None if probs is None else torch.empty_like(probs)
+        if num_rows:
+            meta = dict(BLOCK_H=_row_block(moved), num_warps=_NUM_WARPS)
+            if probs is None:
+                _launch(rows_kernel, num_rows, moved, rows, out, hidden, **meta)
+            else:
+                _launch(rows_and_probs_kernel, num_rows, moved, probs, rows, out, out_probs, hidden, **meta)
+        return out.view(tokens.dtype), out_probs

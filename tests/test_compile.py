@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import permgen
+from permgen.ops import chunk_rows
 from cases import (
     DEVICE,
     HAS_CUDA,
@@ -182,6 +183,13 @@ def op_samples(mod, g, num_out_tokens):
                                         probs.dtype)),
             ("unpermute_backward_probs", (rim.row_map, grad_out, permuted, merging, *sizes)),
         ]
+    split_sizes, sorted_idxs = torch.tensor([1, 0, 3]), torch.tensor([2, 0, 1])
+    rows_map = chunk_rows(v, split_sizes, sorted_idxs, case.N, DEVICE)
+    samples.append(("sort_chunks", (tokens.clone().requires_grad_(not is_fp8(v)), *rows_map)))
+    if v["probs"]:
+        samples.append(("sort_chunks_probs", (tokens.clone().requires_grad_(not is_fp8(v)),
+                                              torch.rand(case.N, generator=g).to(DEVICE).requires_grad_(),
+                                              *rows_map)))
         if not is_fp8(v):  # fp8 tokens carry no gradient: their permute backward has the probs-only form
             samples.append(("permute_backward_probs", (rim.row_map, grad_rows, grad_probs, *sizes, rows,
                                                        routing.shape[1], probs.dtype)))
@@ -199,7 +207,7 @@ def test_opcheck(name, request):
     samples.append(op_samples(mod, g, None)[0])
     for op, args in samples:
         utils = OPCHECK_UTILS
-        if op == "permute" and is_fp8(mod.VARIANT):
+        if op in ("permute", "sort_chunks", "sort_chunks_probs") and is_fp8(mod.VARIANT):
             # The schema and AOT checks reduce fp8 tensors (sum, mul), which the CPU has no fp8 kernels
             # for; test_compiled_layer_matches_eager compiles these variants' permute instead.
             utils = ("test_autograd_registration", "test_faketensor")
@@ -209,9 +217,9 @@ def test_opcheck(name, request):
 def test_every_op_is_registered_in_the_permgen_namespace():
     for name in TRITON_VARIANTS:
         ops = load("triton", name)._ops
-        want = {"permute", "unpermute", "permute_backward", "unpermute_backward"}
+        want = {"permute", "unpermute", "permute_backward", "unpermute_backward", "sort_chunks"}
         if permgen.VARIANTS[name]["probs"]:
-            want |= {"permute_backward_probs", "unpermute_backward_probs"}
+            want |= {"permute_backward_probs", "unpermute_backward_probs", "sort_chunks_probs"}
         assert set(ops.op) == want
         for op, overload in ops.op.items():
             assert overload.name() == f"permgen::{ops.prefix}_{op}"

@@ -1,0 +1,88 @@
+"""The generated chunk sort of every variant on both targets against torch.split + torch.cat.
+
+`sort_chunks(tokens, split_sizes, sorted_idxs, probs=None)` splits the rows into chunks and
+concatenates them in the order sorted_idxs gives (TransformerEngine's moe_sort_chunks_by_index).
+Rows are only moved, so outputs and gradients must match exactly; the gradient of a chunk sort is
+the inverse sort of the incoming gradient.
+"""
+
+import pytest
+import torch
+
+import permgen
+from cases import assert_bits_equal, device_of, generator_for, is_fp8, load, make_tokens, variants_for
+
+HAS_PROBS = {name: v["probs"] for name, v in permgen.VARIANTS.items()}
+TARGET_VARIANTS = [(t, n) for t in ("triton", "nki") for n in variants_for(t)]
+# A chunk of zero rows, chunks of one row, and an order that moves every chunk.
+SPLIT_SIZES = [3, 0, 5, 1, 4, 1]
+SORTED_IDXS = [4, 2, 0, 5, 1, 3]
+
+
+def chunk_sort_ref(t, split_sizes, sorted_idxs):
+    chunks = torch.split(t, split_sizes, dim=0)
+    return torch.cat([chunks[i] for i in sorted_idxs], dim=0)
+
+
+def inverse_ref(grad, split_sizes, sorted_idxs):
+    """The gradient of a chunk sort: each output row's gradient goes back to its source row."""
+    source = chunk_sort_ref(torch.arange(grad.shape[0]), split_sizes, sorted_idxs)
+    return torch.zeros_like(grad).index_copy(0, source.to(grad.device), grad)
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["tokens", "with_probs"])
+@pytest.mark.parametrize("target, name", TARGET_VARIANTS, ids=[f"{t}-{n}" for t, n in TARGET_VARIANTS])
+def test_sort_chunks(target, name, with_probs, request):
+    if with_probs and not HAS_PROBS[name]:
+        pytest.skip("variant without probs")
+    mod = load(target, name)
+    v = mod.VARIANT
+    device = device_of(target)
+    g = generator_for(request)
+    split_sizes, sorted_idxs = torch.tensor(SPLIT_SIZES), torch.tensor(SORTED_IDXS)
+    tokens = make_tokens(v, sum(SPLIT_SIZES), 40, g).to(device)
+    probs = torch.rand(tokens.shape[0], generator=g).to(device) if with_probs else None
+    differentiable = not is_fp8(v)
+    inp = tokens.clone().requires_grad_(differentiable)
+    p = None if probs is None else probs.clone().requires_grad_()
+    out, out_probs = mod.sort_chunks(inp, split_sizes, sorted_idxs, p)
+    assert_bits_equal(out, chunk_sort_ref(tokens, SPLIT_SIZES, SORTED_IDXS), "sorted rows")
+    outputs, grads = [], []
+    if differentiable:
+        outputs.append(out)
+        grads.append(torch.randn(out.shape, generator=g).to(out.dtype).to(device))
+    if with_probs:
+        assert_bits_equal(out_probs, chunk_sort_ref(probs, SPLIT_SIZES, SORTED_IDXS), "sorted probs")
+        outputs.append(out_probs)
+        grads.append(torch.randn(out_probs.shape, generator=g).to(device))
+    else:
+        assert out_probs is None
+    if not outputs:
+        assert not out.requires_grad
+        return
+    torch.autograd.backward(outputs, grads)
+    if differentiable:
+        assert_bits_equal(inp.grad, inverse_ref(grads[0], SPLIT_SIZES, SORTED_IDXS), "token grads")
+    if with_probs:
+        assert_bits_equal(p.grad, inverse_ref(grads[-1], SPLIT_SIZES, SORTED_IDXS), "prob grads")
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+def test_sort_chunks_of_no_rows(target):
+    mod = load(target, "probs_bf16_mask")
+    tokens = torch.zeros(0, 16, dtype=torch.bfloat16, device=device_of(target))
+    out, out_probs = mod.sort_chunks(tokens, torch.tensor([0, 0]), torch.tensor([1, 0]),
+                                     torch.zeros(0, device=device_of(target)))
+    assert out.shape == (0, 16) and out_probs.shape == (0,)
+
+
+def test_sort_chunks_checks_its_arguments():
+    mod = load("triton", "bf16_index")
+    device = device_of("triton")
+    tokens = torch.zeros(4, 8, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="no probs"):
+        mod.sort_chunks(tokens, torch.tensor([4]), torch.tensor([0]), torch.zeros(4, device=device))
+    with pytest.raises(ValueError, match="one entry per chunk"):
+        mod.sort_chunks(tokens, torch.tensor([2, 2]), torch.tensor([0]))
+    with pytest.raises(TypeError, match="dtype"):
+        mod.sort_chunks(tokens.float(), torch.tensor([4]), torch.tensor([0]))
