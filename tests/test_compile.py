@@ -29,8 +29,8 @@ from cases import (
 
 TRITON_VARIANTS = variants_for("triton")
 BACKEND = "inductor" if HAS_CUDA else "aot_eager"
-CASE = Case("compile", N=9, H=32, E=4, k=2)
-OPCHECK_CASE = Case("opcheck", N=4, H=16, E=3, k=2)
+CASE = Case("compile", N=9, H=32, E=3, k=2)
+OPCHECK_CASE = Case("opcheck", N=4, H=16, E=2, k=2)
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
