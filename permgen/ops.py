@@ -39,9 +39,10 @@ autograd (their backward passes are the ops above) and fake implementations, so
 `torch.compile(fullgraph=True)` sees each as one opaque op. With `num_out_tokens` the output
 shapes are static; without it permute's row count is a data-dependent size (an unbacked SymInt).
 
-Eagerly, a call that needs no autograd runs the backend directly (the dispatcher would add host
-time to every call); a call that needs autograd, and every call under torch.compile, goes
-through the ops. Both run the same backend code on the same arguments, so results are identical.
+Under torch.compile every call goes through the ops. Eagerly, a call that needs no autograd runs the
+backend directly, and a call that needs autograd runs the same formulas as an autograd.Function
+over the op implementations: the dispatcher's custom-op path costs the host a few times more per
+call. All paths run the same backend code on the same arguments, so results are identical.
 """
 
 import torch
@@ -150,10 +151,10 @@ class Ops:
                 self._unpermute_backward_probs_impl, self._unpermute_backward_probs_fake,
                 f"(Tensor row_map, Tensor grad_out, Tensor permuted, Tensor merging_probs, {sizes}) "
                 "-> (Tensor grad_permuted, Tensor grad_probs)")
-        self.custom_ops, self.op = {}, {}
+        self.custom_ops, self.op, self.impl, self.eager = {}, {}, {}, {}
         self._define(defs)
-        self.custom_ops["permute"].register_autograd(self._permute_backward, setup_context=self._permute_setup)
-        self.custom_ops["unpermute"].register_autograd(self._unpermute_backward, setup_context=self._unpermute_setup)
+        self._register_autograd("permute", self._permute_backward, self._permute_setup)
+        self._register_autograd("unpermute", self._unpermute_backward, self._unpermute_setup)
 
     def _define(self, defs):
         """Register {op: (implementation, fake implementation, schema)} under this variant's prefix."""
@@ -163,6 +164,29 @@ class Ops:
             custom.register_fake(fake)
             self.custom_ops[op] = custom
             self.op[op] = getattr(ns, f"{self.prefix}_{op}").default  # an OpOverload: the cheapest handle to call
+            self.impl[op] = impl
+
+    def _register_autograd(self, op, backward, setup):
+        """The op's autograd under torch.compile, and the same formula for eager calls as an
+        autograd.Function over the implementations (the dispatcher's custom-op autograd costs the host
+        a few times more per call). Backward passes call ctx.calls: the ops, or the implementations."""
+        self.custom_ops[op].register_autograd(backward, setup_context=setup)
+        impl, impls = self.impl[op], self.impl
+
+        class Eager(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                output = impl(*args)
+                setup(ctx, args, output)
+                ctx.calls = impls
+                return output
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return backward(ctx, *grads)
+
+        Eager.__name__ = f"{self.prefix}_{op}"
+        self.eager[op] = Eager.apply
 
     # -- permute -----------------------------------------------------------------------------------
 
@@ -188,6 +212,7 @@ class Ops:
         return self._permute_outputs(out, out_probs, out_scale, tokens_per_expert, row_map)
 
     def _permute_setup(self, ctx, inputs, output):
+        ctx.calls = self.op
         tokens, routing, probs, _, num_experts, width, _, _ = inputs
         ctx.save_for_backward(output[-1])
         ctx.sizes = (tokens.shape[0], width, num_experts, output[0].shape[0])
@@ -207,11 +232,11 @@ class Ops:
         grad_tokens = grad_probs = None
         if grad_out_probs is not None:
             columns, dtype = ctx.probs_meta
-            grad_tokens, grad_probs = self.op["permute_backward_probs"](
+            grad_tokens, grad_probs = ctx.calls["permute_backward_probs"](
                 row_map, grad_out, grad_out_probs, *ctx.sizes, columns, dtype)
             grad_tokens = None if grad_out is None else grad_tokens
         elif grad_out is not None:
-            grad_tokens = self.op["permute_backward"](row_map, grad_out, *ctx.sizes)
+            grad_tokens = ctx.calls["permute_backward"](row_map, grad_out, *ctx.sizes)
         return grad_tokens, None, grad_probs, None, None, None, None, None
 
     def _permute_backward_impl(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
@@ -249,6 +274,7 @@ class Ops:
         return permuted.new_empty((num_tokens, permuted.shape[1]))
 
     def _unpermute_setup(self, ctx, inputs, output):
+        ctx.calls = self.op
         permuted, row_map, merging_probs, num_tokens, width, num_experts = inputs
         ctx.merging = merging_probs is not None
         ctx.save_for_backward(row_map, *((permuted, merging_probs) if ctx.merging else ()))
@@ -263,11 +289,11 @@ class Ops:
         grad_probs = None
         if ctx.merging:
             row_map, permuted, merging_probs = ctx.saved_tensors
-            grad_permuted, grad_probs = self.op["unpermute_backward_probs"](
+            grad_permuted, grad_probs = ctx.calls["unpermute_backward_probs"](
                 row_map, grad_out, permuted, merging_probs, *ctx.sizes)
         else:
             (row_map,) = ctx.saved_tensors
-            grad_permuted = self.op["unpermute_backward"](row_map, grad_out, *ctx.sizes, ctx.num_rows)
+            grad_permuted = ctx.calls["unpermute_backward"](row_map, grad_out, *ctx.sizes, ctx.num_rows)
         return (grad_permuted if needs[0] else None), None, (grad_probs if needs[2] else None), None, None, None
 
     def _unpermute_backward_impl(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
@@ -301,11 +327,9 @@ class Ops:
                                          "(Tensor tokens, Tensor probs, Tensor rows, Tensor inverse) "
                                          "-> (Tensor out, Tensor out_probs)")
         self._define(defs)
-        self.custom_ops["sort_chunks"].register_autograd(self._sort_chunks_backward,
-                                                         setup_context=self._sort_chunks_setup)
+        self._register_autograd("sort_chunks", self._sort_chunks_backward, self._sort_chunks_setup)
         if self.has_probs:
-            self.custom_ops["sort_chunks_probs"].register_autograd(self._sort_chunks_probs_backward,
-                                                                   setup_context=self._sort_chunks_setup)
+            self._register_autograd("sort_chunks_probs", self._sort_chunks_probs_backward, self._sort_chunks_setup)
 
     def _sort_chunks_impl(self, tokens, rows, inverse):
         return self.backend.sort_chunks(rows, tokens.contiguous(), None)[0]
@@ -321,6 +345,7 @@ class Ops:
                 torch.empty_like(probs, memory_format=torch.contiguous_format))
 
     def _sort_chunks_setup(self, ctx, inputs, output):
+        ctx.calls = self.op
         rows, inverse = inputs[-2:]
         ctx.save_for_backward(rows, inverse)
         if self.fp8:
@@ -328,11 +353,11 @@ class Ops:
 
     def _sort_chunks_backward(self, ctx, grad_out):
         rows, inverse = ctx.saved_tensors
-        return self.op["sort_chunks"](grad_out, inverse, rows), None, None
+        return ctx.calls["sort_chunks"](grad_out, inverse, rows), None, None
 
     def _sort_chunks_probs_backward(self, ctx, grad_out, grad_probs):
         rows, inverse = ctx.saved_tensors
-        grad_tokens, grad_probs = self.op["sort_chunks_probs"](grad_out, grad_probs, inverse, rows)
+        grad_tokens, grad_probs = ctx.calls["sort_chunks_probs"](grad_out, grad_probs, inverse, rows)
         needs = ctx.needs_input_grad
         return (grad_tokens if needs[0] else None), (grad_probs if needs[1] else None), None, None
 
@@ -348,12 +373,21 @@ class Ops:
             check_tensor(self.variant, "probs", probs, (num_tokens,), prob_dtypes(), tokens.device)
         self.backend.check_device(tokens)
         rows, inverse = chunk_rows(self.variant, split_sizes, sorted_idxs, num_tokens, tokens.device)
-        differentiable = tokens.requires_grad or (probs is not None and probs.requires_grad)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and differentiable):
-            if probs is None:
-                return self.op["sort_chunks"](tokens, rows, inverse), None
-            return tuple(self.op["sort_chunks_probs"](tokens, probs, rows, inverse))
-        return self.backend.sort_chunks(rows, tokens, probs)
+        calls = self._calls(tokens, probs)
+        if calls is None:
+            return self.backend.sort_chunks(rows, tokens, probs)
+        if probs is None:
+            return calls["sort_chunks"](tokens, rows, inverse), None
+        return tuple(calls["sort_chunks_probs"](tokens, probs, rows, inverse))
+
+    def _calls(self, *inputs):
+        """The ops under torch.compile; the eager autograd functions when a gradient can flow; else
+        None: the backend is called directly (the plain call costs the host the least)."""
+        if torch.compiler.is_compiling():
+            return self.op
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            return self.eager
+        return None
 
     # -- the public functions ----------------------------------------------------------------------
 
@@ -380,11 +414,10 @@ class Ops:
         plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
                              check_routing)
         self.backend.check_device(tokens)
-        # The ops when autograd or the compiler needs them; the plain call costs the host far less.
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-                tokens.requires_grad or (probs is not None and probs.requires_grad))):
-            outs = list(self.op["permute"](tokens, routing, probs, scale, plan.num_experts, plan.width,
-                                           plan.num_out_tokens, plan.check_routing))
+        calls = self._calls(tokens, probs)
+        if calls is not None:
+            outs = list(calls["permute"](tokens, routing, probs, scale, plan.num_experts, plan.width,
+                                         plan.num_out_tokens, plan.check_routing))
             out = outs.pop(0)
             out_probs = outs.pop(0) if self.has_probs else None
             out_scale = outs.pop(0) if self.has_scale else None
@@ -404,8 +437,8 @@ class Ops:
         optional (N, H), checked. Returns [N, H], accumulated in fp32, deterministic.
         """
         check_unpermute(self.variant, permuted, row_id_map, merging_probs, restore_shape, RowIdMap)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-                permuted.requires_grad or (merging_probs is not None and merging_probs.requires_grad))):
-            return self.op["unpermute"](permuted, row_id_map.row_map, merging_probs, row_id_map.num_tokens,
-                                        row_id_map.width, row_id_map.num_experts)
+        calls = self._calls(permuted, merging_probs)
+        if calls is not None:
+            return calls["unpermute"](permuted, row_id_map.row_map, merging_probs, row_id_map.num_tokens,
+                                      row_id_map.width, row_id_map.num_experts)
         return self.backend.unpermute(row_id_map, permuted, merging_probs)
