@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .contract import FP8_DTYPES, combine_dtype
-from .results import RowIdMap
+from .results import RowIdMap, route_words
 
 # The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
 # columns), and row numbers are computed exactly in fp32.
@@ -117,9 +117,6 @@ class NkiBackend:
         """The one device -> host read of the NKI target: the row count, when num_out_tokens is not given."""
         return int(counts.sum())
 
-    def _route_words(self, num_tokens, width):
-        return (2 * width + 1) * num_tokens if self.mask else width * num_tokens
-
     @staticmethod
     def _sizes(row_id_map):
         return dict(num_tokens=row_id_map.num_tokens, width=row_id_map.width, num_experts=row_id_map.num_experts)
@@ -146,12 +143,12 @@ class NkiBackend:
                 num_rows = self._read_back(counts)
         if num_rows >= MAX_ROWS:
             raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} permuted rows, got {num_rows}")
-        route_words = self._route_words(num_tokens, width)
+        words = route_words(self.mask, num_tokens, width)
         if num_tokens == 0:  # no routes: empty segments, zero rows
             out = torch.zeros((num_rows, hidden), dtype=tokens.dtype)
             out_probs = None if probs is None else torch.zeros(num_rows, dtype=probs.dtype)
             out_scale = None if scale is None else torch.zeros((num_rows, scale.shape[1]), dtype=scale.dtype)
-            row_map = torch.zeros(route_words + 2 * num_experts + 1, dtype=torch.int32)
+            row_map = torch.zeros(words + 2 * num_experts + 1, dtype=torch.int32)
             return out, out_probs, out_scale, torch.zeros(num_experts, dtype=torch.int64), row_map, num_rows
         if hidden == 0:  # kernels take no empty tensors: move a zero column, return none
             tokens = torch.zeros((num_tokens, 1), dtype=tokens.dtype)

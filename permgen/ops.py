@@ -49,7 +49,7 @@ import torch
 
 from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, prob_dtypes,
                        routing_error, token_dtype)
-from .results import PermuteResult, RowIdMap
+from .results import PermuteResult, RowIdMap, route_words
 
 NAMESPACE = "permgen"
 _TAKEN = set()  # op name prefixes registered in this process
@@ -87,11 +87,6 @@ def chunk_rows(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
     rows = rows.clamp(0, max(num_rows - 1, 0))
     inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(num_rows, device=device))
     return rows.to(torch.int32), inverse.to(torch.int32)
-
-
-def _route_words(mask: bool, num_tokens, width):
-    """Row map words before the segment table (see RowIdMap)."""
-    return (2 * width + 1) * num_tokens if mask else width * num_tokens
 
 
 class Ops:
@@ -207,7 +202,7 @@ class Ops:
         out_probs = None if probs is None else probs.new_empty((num_rows,))
         out_scale = None if scale is None else scale.new_empty((num_rows, scale.shape[1]))
         tokens_per_expert = tokens.new_empty((num_experts,), dtype=torch.int64)
-        row_map = tokens.new_empty((_route_words(self.mask, num_tokens, width) + 2 * num_experts + 1,),
+        row_map = tokens.new_empty((route_words(self.mask, num_tokens, width) + 2 * num_experts + 1,),
                                    dtype=torch.int32)
         return self._permute_outputs(out, out_probs, out_scale, tokens_per_expert, row_map)
 

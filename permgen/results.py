@@ -5,6 +5,12 @@ from typing import NamedTuple, Optional
 import torch
 
 
+def route_words(mask: bool, num_tokens: int, width: int) -> int:
+    """Words of the row map before its segment table: dst rows, plus experts and route counts for
+    mask routing (see RowIdMap)."""
+    return (2 * width + 1) * num_tokens if mask else width * num_tokens
+
+
 class RowIdMap(NamedTuple):
     """What permute leaves for unpermute and the backward passes: O(N*k + E) int32 words.
 
@@ -30,11 +36,6 @@ class RowIdMap(NamedTuple):
 
     def _part(self, begin, length):
         return self.row_map[begin:begin + length]
-
-    def _route_words(self):
-        """Words before the segment table."""
-        routes = self.num_tokens * self.width
-        return 2 * routes + self.num_tokens if self.is_mask else routes
 
     @property
     def is_mask(self) -> bool:
@@ -63,12 +64,13 @@ class RowIdMap(NamedTuple):
     @property
     def segment_offsets(self) -> torch.Tensor:
         """int32 [E + 1]: first row of each expert's segment; [E] = rows in use."""
-        return self._part(self._route_words(), self.num_experts + 1)
+        return self._part(route_words(self.is_mask, self.num_tokens, self.width), self.num_experts + 1)
 
     @property
     def segment_counts(self) -> torch.Tensor:
         """int32 [E]: routed (non-pad) rows at the start of each segment."""
-        return self._part(self._route_words() + self.num_experts + 1, self.num_experts)
+        return self._part(route_words(self.is_mask, self.num_tokens, self.width) + self.num_experts + 1,
+                          self.num_experts)
 
     def rows_by_column(self) -> torch.Tensor:
         """int64 [N, columns of the routing]: the row of route (token, column), -1 where none lands.

@@ -15,7 +15,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from .contract import FP8_DTYPES, token_dtype
-from .results import RowIdMap
+from .results import RowIdMap, route_words
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
 _ROW_BYTES_PER_WARP = 512  # 16-byte vectors for each of 32 lanes per step of a row loop
@@ -180,10 +180,6 @@ class TritonBackend:
         return (num_experts * pad_groups + tail_programs, tail_programs,
                 dict(PAD_GROUPS=pad_groups, PAD_ROWS_PER_PROGRAM=_PAD_ROWS_PER_PROGRAM))
 
-    def _route_words(self, num_tokens, width):
-        """Row map words before the segment table: dst rows (+ experts and route counts for mask routing)."""
-        return (2 * width + 1) * num_tokens if self.mask else width * num_tokens
-
     def _route_meta(self, row_id_map, hidden_block):
         meta = dict(K=row_id_map.width, ROUTES=self._route_tile(row_id_map.width, row_id_map.num_experts))
         if self.mask:
@@ -201,8 +197,8 @@ class TritonBackend:
         num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
         device = tokens.device
         num_blocks, scratch_words, route_meta = self._routing_launch(num_tokens, width, num_experts)
-        route_words = self._route_words(num_tokens, width)
-        row_map = torch.empty(route_words + 2 * num_experts + 1, dtype=torch.int32, device=device)
+        words = route_words(self.mask, num_tokens, width)
+        row_map = torch.empty(words + 2 * num_experts + 1, dtype=torch.int32, device=device)
         tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=device)
         scratch = _routing_scratch(device, scratch_words)
         if self.mask and routing.dtype == torch.bool:
@@ -211,7 +207,7 @@ class TritonBackend:
         _launch(self.kernels.route, num_blocks, routing, row_map, tokens_per_expert, scratch,
                 num_tokens, num_blocks, _NO_CAP if cap is None else cap, **route_meta, num_warps=_ROUTE_WARPS)
         # Without a cap the row count is data-dependent: permute's one host sync (rows in use = offsets[E]).
-        num_rows = int(row_map[route_words + num_experts]) if cap is None else cap
+        num_rows = int(row_map[words + num_experts]) if cap is None else cap
 
         if self.fp8:
             # fp8 rows move as bytes: Triton's fp8 types need a recent GPU even for a plain copy.
