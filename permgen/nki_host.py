@@ -1,14 +1,22 @@
 """The NKI target's host side, written once for every variant: conversion and kernel launches.
 
 A generated NKI module hands its `@nki.jit` kernels to `NkiBackend`; `permgen.ops` checks arguments
-and adds autograd on top, exactly as for Triton. On a CPU host the kernels run through
-`nki.simulate`: torch CPU tensors go in as NumPy arrays (bfloat16 and fp8 as ml_dtypes arrays) and
-the outputs come back as torch tensors. Where the real `nki` package (AWS Neuron) does not import,
-the repository's NumPy emulator (`nki_emulator`) stands in for it.
+and adds autograd on top, exactly as for Triton, and defines the custom ops through
+`permgen.neuron_ops` (torch-neuronx's `nki_op` on a Trainium host). Neuron tensors (device
+"neuron", torch-neuronx) go to the kernels as they are: torch-neuronx compiles a kernel on its first
+call for the call's shapes, dtypes and non-tensor argument values and reuses it afterwards. CPU
+tensors run through `nki.simulate`: they go in as NumPy arrays (bfloat16 and fp8 as ml_dtypes
+arrays) and the outputs come back as torch tensors. Where the real `nki` package (AWS Neuron) does
+not import, the repository's NumPy emulator (`nki_emulator`) stands in for it.
 
-Static sizes: every size that shapes a kernel is a Python int. With `num_out_tokens` given, permute
-passes it as the row count and reads nothing back from the device; without it, the one read back is
-the row count (the sum of the expert counts), which the output's shape needs (as on Triton).
+Static sizes: every size that shapes a kernel is a Python int, so a distinct value is a distinct
+compile on Neuron. With `num_out_tokens` given, permute passes it as the row capacity and reads
+nothing back from the device: one compile per (variant, shapes, capacity). Without it the output's
+row count is data-dependent (as on Triton), so it must reach the host: the one read back is the
+row count (the sum of the expert counts). The kernel then runs at a capacity rounded up to a power
+of two (never above the most rows the routing can need) and the output is its first rows, so a
+new row count recompiles only when it crosses a power of two: at most log2 of the largest
+capacity compiles per (variant, shapes), not one per distinct count.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from . import neuron_ops
 from .contract import FP8_DTYPES, combine_dtype
 from .results import RowIdMap, route_words
 
@@ -97,9 +106,14 @@ class NkiBackend:
         self.combine_dtype = combine_dtype(variant)
 
     def check_device(self, tokens):
-        if tokens.device.type != "cpu":
-            raise ValueError(f"{self.name}: tokens are on {tokens.device}; the nki target runs kernels through "
-                             "nki.simulate on CPU tensors")
+        if tokens.device.type == "cpu" or (neuron_ops.is_neuron(tokens) and neuron_ops.torch_neuronx() is not None):
+            return
+        raise ValueError(f"{self.name}: tokens are on {tokens.device}; the nki target runs kernels through "
+                         "nki.simulate on CPU tensors, or on Neuron tensors where torch-neuronx imports")
+
+    @staticmethod
+    def define_op(qualname, impl, schema):
+        return neuron_ops.define_op(qualname, impl, schema)
 
     def row_id_map(self, row_map, routing, plan, num_rows):
         return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
@@ -107,7 +121,10 @@ class NkiBackend:
     # -- launches -------------------------------------------------------------------------------
 
     def _run(self, kernel, *args, **static):
-        """kernel(*args, **static) through nki.simulate: tensors in, tensors out; static sizes are ints."""
+        """kernel(*args, **static): tensors in, tensors out; static sizes are ints. Neuron tensors go to the
+        kernel as they are (torch-neuronx runs it); CPU tensors through nki.simulate as NumPy arrays."""
+        if neuron_ops.is_neuron(args[0]):
+            return kernel(*(a.contiguous() for a in args), **static)
         outs = self.kernels.simulate(kernel)(*(to_kernel(a) for a in args), **static)
         if isinstance(outs, (tuple, list)):
             return tuple(from_kernel(o) for o in outs)
@@ -116,6 +133,14 @@ class NkiBackend:
     def _read_back(self, counts: torch.Tensor) -> int:
         """The one device -> host read of the NKI target: the row count, when num_out_tokens is not given."""
         return int(counts.sum())
+
+    def capacity(self, num_rows: int, num_tokens: int, width: int, num_experts: int) -> int:
+        """The kernel's row capacity for a read-back row count: the next power of two, capped at the most
+        rows the routing can need (every slot routed, every segment padded), so the compiles a new row
+        count can cause are few (a capacity is a static size: one compile each on Neuron)."""
+        pad = self.variant["pad"]
+        most = num_tokens * width + (num_experts * (pad - 1) if pad else 0)
+        return max(num_rows, min(most, 1 << max(num_rows - 1, 0).bit_length()))
 
     @staticmethod
     def _sizes(row_id_map):
@@ -135,27 +160,31 @@ class NkiBackend:
             routing = (routing != 0).to(torch.int32)
         else:  # ids outside [0, E) route nowhere; clamping keeps them outside while fitting int32
             routing = routing.clamp(-1, num_experts).to(torch.int32)
-        num_rows = plan.num_out_tokens
+        num_rows = capacity = plan.num_out_tokens
         if num_rows is None:
-            num_rows = 0
+            num_rows = capacity = 0
             if num_tokens:
                 counts = self._run(self.kernels.expert_counts, routing, num_experts=num_experts, width=width)
                 num_rows = self._read_back(counts)
+                capacity = self.capacity(num_rows, num_tokens, width, num_experts)
         if num_rows >= MAX_ROWS:
             raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} permuted rows, got {num_rows}")
         words = route_words(self.mask, num_tokens, width)
+        device = tokens.device
         if num_tokens == 0:  # no routes: empty segments, zero rows
-            out = torch.zeros((num_rows, hidden), dtype=tokens.dtype)
-            out_probs = None if probs is None else torch.zeros(num_rows, dtype=probs.dtype)
-            out_scale = None if scale is None else torch.zeros((num_rows, scale.shape[1]), dtype=scale.dtype)
-            row_map = torch.zeros(words + 2 * num_experts + 1, dtype=torch.int32)
-            return out, out_probs, out_scale, torch.zeros(num_experts, dtype=torch.int64), row_map, num_rows
+            out = torch.zeros((num_rows, hidden), dtype=tokens.dtype, device=device)
+            out_probs = None if probs is None else torch.zeros(num_rows, dtype=probs.dtype, device=device)
+            out_scale = None if scale is None else torch.zeros((num_rows, scale.shape[1]), dtype=scale.dtype,
+                                                               device=device)
+            row_map = torch.zeros(words + 2 * num_experts + 1, dtype=torch.int32, device=device)
+            tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
+            return out, out_probs, out_scale, tokens_per_expert, row_map, num_rows
         if hidden == 0:  # kernels take no empty tensors: move a zero column, return none
-            tokens = torch.zeros((num_tokens, 1), dtype=tokens.dtype)
-            scale = None if scale is None else torch.zeros((num_tokens, 1), dtype=scale.dtype)
+            tokens = torch.zeros((num_tokens, 1), dtype=tokens.dtype, device=device)
+            scale = None if scale is None else torch.zeros((num_tokens, 1), dtype=scale.dtype, device=device)
         args = [tokens, routing] + [t for t in (probs, scale) if t is not None]
         outs = list(self._run(self.kernels.permute, *args, num_experts=num_experts, width=width,
-                              num_out_tokens=num_rows))
+                              num_out_tokens=capacity))
         out = outs.pop(0)[:num_rows, :hidden]
         out_probs = None if probs is None else outs.pop(0)[:num_rows]
         out_scale = None if scale is None else outs.pop(0)[:num_rows, :0 if hidden == 0 else None]
@@ -165,7 +194,7 @@ class NkiBackend:
     def _sum_routes(self, row_id_map, rows_in):
         num_tokens, hidden = row_id_map.num_tokens, rows_in.shape[1]
         if num_tokens == 0 or hidden == 0 or rows_in.shape[0] == 0:
-            return torch.zeros((num_tokens, hidden), dtype=rows_in.dtype)
+            return torch.zeros((num_tokens, hidden), dtype=rows_in.dtype, device=rows_in.device)
         return self._run(self.kernels.sum_routes, rows_in, row_id_map.row_map, **self._sizes(row_id_map))
 
     def unpermute(self, row_id_map, permuted, merging_probs):
@@ -173,7 +202,7 @@ class NkiBackend:
             return self._sum_routes(row_id_map, permuted)
         num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
         if num_tokens == 0 or hidden == 0 or permuted.shape[0] == 0:
-            return torch.zeros((num_tokens, hidden), dtype=permuted.dtype)
+            return torch.zeros((num_tokens, hidden), dtype=permuted.dtype, device=permuted.device)
         return self._run(self.kernels.unpermute, permuted, row_id_map.row_map, merging_probs,
                          **self._sizes(row_id_map))
 
@@ -184,11 +213,12 @@ class NkiBackend:
         shape, dtype = probs_meta
         hidden = 0 if grad_out is None else grad_out.shape[1]
         if num_tokens == 0 or num_rows == 0:
-            grad_tokens = None if grad_out is None else torch.zeros((num_tokens, hidden), dtype=grad_out.dtype)
-            return grad_tokens, torch.zeros(shape, dtype=dtype)
+            grad_tokens = None if grad_out is None else torch.zeros((num_tokens, hidden), dtype=grad_out.dtype,
+                                                                    device=grad_out.device)
+            return grad_tokens, torch.zeros(shape, dtype=dtype, device=grad_out_probs.device)
         # One launch for both; without a token gradient (or columns) a zero column stands in.
         rows_in = grad_out if hidden else torch.zeros(
-            (num_rows, 1), dtype=self.combine_dtype if grad_out is None else grad_out.dtype)
+            (num_rows, 1), dtype=self.combine_dtype if grad_out is None else grad_out.dtype, device=grad_out_probs.device)
         grad_tokens, grad_probs = self._run(self.kernels.permute_backward, rows_in, row_id_map.row_map,
                                             grad_out_probs, **self._sizes(row_id_map))
         return (None if grad_out is None else grad_tokens[:, :hidden]), grad_probs.to(dtype)
@@ -198,12 +228,12 @@ class NkiBackend:
         empty = num_tokens == 0 or num_rows == 0 or hidden == 0
         if merging_probs is None:
             if empty:
-                return torch.zeros((num_rows, hidden), dtype=grad_out.dtype), None
+                return torch.zeros((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device), None
             return self._run(self.kernels.scatter_routes, grad_out, row_id_map.row_map, num_rows=num_rows,
                              **self._sizes(row_id_map)), None
         if empty:  # no routes, or dot products over no columns
-            return (torch.zeros((num_rows, hidden), dtype=grad_out.dtype),
-                    torch.zeros(merging_probs.shape, dtype=merging_probs.dtype))
+            return (torch.zeros((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device),
+                    torch.zeros(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device))
         return self._run(self.kernels.unpermute_backward, grad_out, permuted, row_id_map.row_map, merging_probs,
                          **self._sizes(row_id_map))
 
@@ -218,7 +248,7 @@ class NkiBackend:
         num_rows, hidden = tokens.shape
         if num_rows == 0:
             return torch.zeros_like(tokens), None if probs is None else torch.zeros_like(probs)
-        moved = tokens if hidden else torch.zeros((num_rows, 1), dtype=tokens.dtype)  # a zero column stands in
+        moved = tokens if hidden else torch.zeros((num_rows, 1), dtype=tokens.dtype, device=tokens.device)  # a zero column
         rows = rows.to(torch.int32).reshape(num_rows, 1)
         if probs is None:
             return self._run(rows_kernel, moved, rows)[:, :hidden], None

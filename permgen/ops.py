@@ -89,6 +89,10 @@ def chunk_rows(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
     return rows.to(torch.int32), inverse.to(torch.int32)
 
 
+def _define_op(qualname, impl, schema):
+    return torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
+
+
 class Ops:
     """The public functions of one variant on one target, and its custom ops."""
 
@@ -154,8 +158,9 @@ class Ops:
     def _define(self, defs):
         """Register {op: (implementation, fake implementation, schema)} under this variant's prefix."""
         ns = getattr(torch.ops, NAMESPACE)
+        define = getattr(self.backend, "define_op", _define_op)  # the NKI backend defines them through torch-neuronx
         for op, (impl, fake, schema) in defs.items():
-            custom = torch.library.custom_op(f"{NAMESPACE}::{self.prefix}_{op}", impl, mutates_args=(), schema=schema)
+            custom = define(f"{NAMESPACE}::{self.prefix}_{op}", impl, schema)
             custom.register_fake(fake)
             self.custom_ops[op] = custom
             self.op[op] = getattr(ns, f"{self.prefix}_{op}").default  # an OpOverload: the cheapest handle to call
