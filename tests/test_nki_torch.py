@@ -101,7 +101,7 @@ def test_every_op_is_registered_through_nki_op(name, neuron):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", BOTH)
-def test_permute_backward_agrees_with_triton(name, request):
+def test_permute_backward_agrees_with_triton(name, request, poisoned_empty):
     """Token gradients (gather-summed: tolerance) and prob gradients (routed back: exact) of the same
     permute on both targets, and the same outputs that carry no gradient."""
     triton_mod, nki_mod = load("triton", name), load("nki", name)

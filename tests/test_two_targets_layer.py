@@ -1,0 +1,106 @@
+"""One MoE layer, two targets: the same spec entry's Triton variant (interpreted on the CPU, or on the
+GPU) and NKI variant (emulator) in a small mixture-of-experts layer -- router top-k, permute, two
+expert matmuls per expert segment, the routes' probs applied to the expert outputs, unpermute, a
+loss -- forward and backward once each.
+
+The loss is linear in the layer output, so both targets' backward passes start from the same
+gradient: what the kernels move (permuted rows, probs, scales, row maps, segment sizes, gradient
+rows) and everything PyTorch computes from it (expert and router weight gradients, the router probs'
+gradients) must be bit-identical; only values the kernels sum (the layer output, the loss, the
+tokens' gradients) get the summed-value tolerance. Mask and index routing, with padding, and fp8
+tokens with block128 and mx32 scales (quantised by the test, dequantised after permute).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases import DEVICE, assert_bits_equal, assert_sum_close, generator_for, load, to_device, variants_for
+
+N, H, E, K, F = 24, 64, 4, 2, 32  # tokens, hidden, experts, routes per token, expert ffn width
+FP8_MAX = 448.0  # largest float8_e4m3fn value
+
+LAYERS = [name for name in ("probs_pad128_bf16_mask", "probs_pad16_bf16_index", "probs_pad128_fp8e4m3_block128_mask",
+                            "probs_pad32_fp8e4m3_mx32_index") if name in variants_for("triton") and name in variants_for("nki")]
+
+
+def quantise(x, scale_kind):
+    """x [N, H] bf16 -> (fp8 e4m3 tokens, per-block scales): block128 fp32 scales or mx32 e8m0 exponents."""
+    cols = 128 if scale_kind == "block128" else 32
+    num_blocks = -(-x.shape[1] // cols)
+    padded = torch.zeros(x.shape[0], num_blocks * cols)
+    padded[:, :x.shape[1]] = x.float()
+    blocks = padded.reshape(x.shape[0], num_blocks, cols).abs().amax(-1).clamp_min(1e-12)
+    if scale_kind == "block128":
+        scale = step = blocks / FP8_MAX
+    else:
+        scale = (torch.ceil(torch.log2(blocks / FP8_MAX)) + 127).clamp(0, 254).to(torch.uint8)
+        step = torch.exp2(scale.float() - 127)
+    q = (x.float() / step.repeat_interleave(cols, 1)[:, :x.shape[1]]).to(torch.float8_e4m3fn)
+    return q.to(x.device), scale.to(x.device)
+
+
+def dequantise(q, scale, scale_kind):
+    cols = 128 if scale_kind == "block128" else 32
+    step = scale.float() if scale_kind == "block128" else torch.exp2(scale.float() - 127)
+    return (q.float() * step.repeat_interleave(cols, 1)[:, :q.shape[1]]).to(torch.bfloat16)
+
+
+def layer(mod, x, router, w1, w2, loss_weight, num_out_tokens):
+    """Returns (loss, out, the router probs as passed to permute, permute's result)."""
+    spec = mod.VARIANT
+    top = (x.float() @ router).topk(K, dim=1)
+    gate = top.values.softmax(-1)
+    if spec["routing"] == "mask":
+        routing = torch.zeros(x.shape[0], E, dtype=torch.bool, device=x.device).scatter(1, top.indices, True)
+        probs = torch.zeros(x.shape[0], E, device=x.device).scatter(1, top.indices, gate)
+    else:
+        routing, probs = top.indices.to(torch.int32), gate
+    probs.retain_grad()
+    tokens, scale = (x, None) if spec["scale"] == "none" else quantise(x.detach(), spec["scale"])
+    res = mod.permute(tokens, routing, probs, scale, num_experts=E, num_out_tokens=num_out_tokens)
+    rows = res.tokens if scale is None else dequantise(res.tokens, res.scale, spec["scale"])
+    ends = res.tokens_per_expert.cumsum(0).tolist()
+    hidden = torch.cat([torch.nn.functional.silu(rows[a:b] @ w1[e]) @ w2[e]
+                        for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))] + [rows[ends[-1]:] * 0])
+    out = mod.unpermute(hidden * res.probs[:, None].to(hidden.dtype), res.row_id_map)
+    return (out.float() * loss_weight).sum(), out, probs, res
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_one_layer_on_both_targets(name, request, poisoned_empty):
+    g = generator_for(request)
+    x = (torch.randn(N, H, generator=g) * 2).to(torch.bfloat16)
+    router = torch.randn(H, E, generator=g) / H ** 0.5
+    w1 = (torch.randn(E, H, F, generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(torch.bfloat16)
+    loss_weight = torch.randn(N, H, generator=g)
+    runs = {}
+    for target in ("triton", "nki"):
+        mod = load(target, name)
+        device = DEVICE if target == "triton" else torch.device("cpu")
+        leaves = [t.requires_grad_() for t in to_device(device, x, router, w1, w2)]
+        # index routing with a capacity (nothing read back), mask routing without one (the row count read back)
+        cap = None if mod.VARIANT["routing"] == "mask" else N * K + E * (mod.VARIANT["pad"] - 1)
+        loss, out, probs, res = layer(mod, *leaves, loss_weight.to(device), cap)
+        loss.backward()
+        runs[target] = dict(loss=loss.detach(), out=out.detach(), res=res, probs_grad=probs.grad,
+                            grads=[t.grad for t in leaves])
+
+    t, n = runs["triton"], runs["nki"]
+    tr, nr = t["res"], n["res"]
+    assert_bits_equal(tr.tokens, nr.tokens, "permuted tokens")
+    assert_bits_equal(tr.probs, nr.probs, "permuted probs")
+    if nr.scale is not None:
+        assert_bits_equal(tr.scale, nr.scale, "permuted scales")
+    assert torch.equal(tr.tokens_per_expert.cpu(), nr.tokens_per_expert)
+    assert torch.equal(tr.row_id_map.rows_by_column().cpu(), nr.row_id_map.rows_by_column())
+    assert_sum_close(t["out"], n["out"], "layer output")
+    torch.testing.assert_close(t["loss"].cpu(), n["loss"], rtol=2e-2, atol=2e-2)
+    assert_bits_equal(t["probs_grad"], n["probs_grad"], "router probs' gradients")
+    x_grad_t, router_t, w1_t, w2_t = t["grads"]
+    x_grad_n, router_n, w1_n, w2_n = n["grads"]
+    for what, got, want in (("router", router_n, router_t), ("w1", w1_n, w1_t), ("w2", w2_n, w2_t)):
+        assert_bits_equal(want, got, f"{what} weight gradients")
+    assert_sum_close(x_grad_t, x_grad_n, "token gradients")
