@@ -3,14 +3,16 @@
 """The generated variants: name -> normalised spec entry. Look them up with permgen.get_kernel."""
 
 VARIANTS = {
-    "probs_bf16_mask": {"dtype": "bf16", "routing": "mask", "probs": True, "scale": "none", "pad": 0, "targets": ['triton', 'nki']},
-    "probs_bf16_index": {"dtype": "bf16", "routing": "index", "probs": True, "scale": "none", "pad": 0, "targets": ['triton', 'nki']},
-    "bf16_index": {"dtype": "bf16", "routing": "index", "probs": False, "scale": "none", "pad": 0, "targets": ['triton', 'nki']},
-    "probs_fp16_mask": {"dtype": "fp16", "routing": "mask", "probs": True, "scale": "none", "pad": 0, "targets": ['triton', 'nki']},
-    "probs_fp32_index": {"dtype": "fp32", "routing": "index", "probs": True, "scale": "none", "pad": 0, "targets": ['triton', 'nki']},
-    "probs_pad16_bf16_index": {"dtype": "bf16", "routing": "index", "probs": True, "scale": "none", "pad": 16, "targets": ['triton', 'nki']},
-    "probs_pad128_bf16_mask": {"dtype": "bf16", "routing": "mask", "probs": True, "scale": "none", "pad": 128, "targets": ['triton', 'nki']},
-    "probs_pad128_fp8e4m3_block128_mask": {"dtype": "fp8_e4m3", "routing": "mask", "probs": True, "scale": "block128", "pad": 128, "targets": ['triton', 'nki']},
-    "probs_pad32_fp8e4m3_mx32_index": {"dtype": "fp8_e4m3", "routing": "index", "probs": True, "scale": "mx32", "pad": 32, "targets": ['triton', 'nki']},
-    "probs_fp8e5m2_index": {"dtype": "fp8_e5m2", "routing": "index", "probs": True, "scale": "none", "pad": 0, "targets": ['triton', 'nki']},
+    "probs_bf16_mask": {"dtype": "bf16", "routing": "mask", "probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": ['triton', 'nki']},
+    "probs_bf16_index": {"dtype": "bf16", "routing": "index", "probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": ['triton', 'nki']},
+    "bf16_index": {"dtype": "bf16", "routing": "index", "probs": False, "scale": "none", "quantize": "none", "pad": 0, "targets": ['triton', 'nki']},
+    "probs_fp16_mask": {"dtype": "fp16", "routing": "mask", "probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": ['triton', 'nki']},
+    "probs_fp32_index": {"dtype": "fp32", "routing": "index", "probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": ['triton', 'nki']},
+    "probs_pad16_bf16_index": {"dtype": "bf16", "routing": "index", "probs": True, "scale": "none", "quantize": "none", "pad": 16, "targets": ['triton', 'nki']},
+    "probs_pad128_bf16_mask": {"dtype": "bf16", "routing": "mask", "probs": True, "scale": "none", "quantize": "none", "pad": 128, "targets": ['triton', 'nki']},
+    "probs_pad128_fp8e4m3_block128_mask": {"dtype": "fp8_e4m3", "routing": "mask", "probs": True, "scale": "block128", "quantize": "none", "pad": 128, "targets": ['triton', 'nki']},
+    "probs_pad32_fp8e4m3_mx32_index": {"dtype": "fp8_e4m3", "routing": "index", "probs": True, "scale": "mx32", "quantize": "none", "pad": 32, "targets": ['triton', 'nki']},
+    "probs_fp8e5m2_index": {"dtype": "fp8_e5m2", "routing": "index", "probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": ['triton', 'nki']},
+    "probs_pad128_bf16_to_fp8e4m3_block128_mask": {"dtype": "bf16", "routing": "mask", "probs": True, "scale": "none", "quantize": "block128", "pad": 128, "targets": ['triton', 'nki']},
+    "bf16_to_fp8e4m3_mx32_index": {"dtype": "bf16", "routing": "index", "probs": False, "scale": "none", "quantize": "mx32", "pad": 0, "targets": ['triton', 'nki']},
 }

@@ -59,6 +59,10 @@ def template_context(variant: Variant) -> dict:
     if variant.scale != "none":
         cols, dtype_name = SCALE_FORMATS[variant.scale]
         ctx.update(scale_cols=cols, scale_dtype_name=dtype_name)
+    ctx.update(quantizes=variant.quantize != "none")
+    if variant.quantize != "none":
+        cols, dtype_name = SCALE_FORMATS[variant.quantize]
+        ctx.update(quant_cols=cols, quant_scale_dtype_name=dtype_name)
     return ctx
 
 

@@ -11,7 +11,8 @@ import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from permgen.contract import AXES, DTYPES, FP8_DTYPES, MAX_PAD, ROUTINGS, SCALES, TARGETS
+from permgen.contract import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES, ROUTINGS, SCALES,
+                              TARGETS)
 from permgen.contract import AXIS_DEFAULTS as BUILTIN_DEFAULTS
 from permgen.contract import variant_name as _name_of
 
@@ -30,6 +31,7 @@ class Variant:
     routing: str
     probs: bool
     scale: str
+    quantize: str
     pad: int
     targets: tuple[str, ...]
 
@@ -69,6 +71,7 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
     _check_choice(path, where, "dtype", entry["dtype"], DTYPES)
     _check_choice(path, where, "routing", entry["routing"], ROUTINGS)
     _check_choice(path, where, "scale", entry["scale"], SCALES)
+    _check_choice(path, where, "quantize", entry["quantize"], QUANTIZES)
     if not isinstance(entry["probs"], bool):
         _fail(path, where, "probs", f"expected true or false, got {entry['probs']!r}")
     pad = entry["pad"]
@@ -85,11 +88,19 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
         _fail(path, where, "targets", f"lists a target twice: {targets!r}")
     if entry["scale"] != "none" and entry["dtype"] not in FP8_DTYPES:
         _fail(path, where, "scale", f"scale {entry['scale']!r} needs an fp8 dtype ({', '.join(FP8_DTYPES)}), got dtype {entry['dtype']!r}")
+    if entry["quantize"] != "none":
+        if entry["dtype"] not in QUANTIZABLE_DTYPES:
+            _fail(path, where, "quantize", f"quantize {entry['quantize']!r} needs a dtype to quantise from "
+                  f"({', '.join(QUANTIZABLE_DTYPES)}), got dtype {entry['dtype']!r}")
+        if entry["scale"] != "none":
+            _fail(path, where, "quantize", f"quantize {entry['quantize']!r} computes the scales; it cannot also move "
+                  f"scale {entry['scale']!r} (write scale = \"none\")")
     variant = Variant(
         dtype=entry["dtype"],
         routing=entry["routing"],
         probs=entry["probs"],
         scale=entry["scale"],
+        quantize=entry["quantize"],
         pad=pad,
         targets=tuple(t for t in TARGETS if t in targets),
     )

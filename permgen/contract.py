@@ -17,11 +17,16 @@ DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
 FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 ROUTINGS = ("mask", "index")
 SCALES = ("none", "block128", "mx32")
+# Quantise on permute: bf16/fp16/fp32 tokens in, float8_e4m3fn rows and their scales out (the scale
+# formats of SCALE_FORMATS; their definitions are in the README, "Quantising variants").
+QUANTIZES = ("none", "block128", "mx32")
+QUANTIZABLE_DTYPES = ("bf16", "fp16", "fp32")
+QUANTIZED_DTYPE = "fp8_e4m3"
 TARGETS = ("triton", "nki")
 MAX_PAD = 256
-AXES = ("dtype", "routing", "probs", "scale", "pad", "targets")
+AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad", "targets")
 # Values every variant gets unless it or [defaults] says otherwise.
-AXIS_DEFAULTS = {"probs": True, "scale": "none", "pad": 0, "targets": list(TARGETS)}
+AXIS_DEFAULTS = {"probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": list(TARGETS)}
 
 # The torch dtype (by attribute name) of each token dtype.
 TOKEN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
@@ -34,13 +39,16 @@ MAX_ROWS = 2**31 - 1
 
 
 def variant_name(axes: dict) -> str:
-    """One fixed rule: [probs_][pad<P>_]<dtype>[_<scale>]_<routing>, e.g. probs_pad128_fp8e4m3_block128_mask."""
+    """One fixed rule: [probs_][pad<P>_]<dtype>[_<scale>][_to_fp8e4m3_<quantize>]_<routing>, e.g.
+    probs_pad128_fp8e4m3_block128_mask, probs_bf16_to_fp8e4m3_mx32_index."""
     parts = ["probs"] if axes["probs"] else []
     if axes["pad"]:
         parts.append(f"pad{axes['pad']}")
     parts.append(axes["dtype"].replace("_", ""))
     if axes["scale"] != "none":
         parts.append(axes["scale"])
+    if axes.get("quantize", "none") != "none":
+        parts += ["to", QUANTIZED_DTYPE.replace("_", ""), axes["quantize"]]
     parts.append(axes["routing"])
     return "_".join(parts)
 
@@ -50,8 +58,20 @@ def combine_dtype_name(variant: dict) -> str:
     return "bfloat16" if variant["dtype"] in FP8_DTYPES else TOKEN_DTYPE_NAMES[variant["dtype"]]
 
 
+def scale_kind(variant: dict) -> str:
+    """The scales permute returns: those it moves (`scale`) or those it computes (`quantize`), or "none"."""
+    quantize = variant.get("quantize", "none")
+    return variant["scale"] if quantize == "none" else quantize
+
+
+def out_dtype_name(variant: dict) -> str:
+    """The dtype of permute's rows: the token dtype, or float8_e4m3fn for quantising variants."""
+    quantize = variant.get("quantize", "none")
+    return TOKEN_DTYPE_NAMES[variant["dtype"] if quantize == "none" else QUANTIZED_DTYPE]
+
+
 def scale_columns(variant: dict, hidden: int) -> int:
-    cols, _ = SCALE_FORMATS[variant["scale"]]
+    cols, _ = SCALE_FORMATS[scale_kind(variant)]
     return -(-hidden // cols)
 
 
@@ -116,7 +136,11 @@ def prob_dtypes():
 
 
 def scale_dtype(variant: dict):
-    return getattr(_torch(), SCALE_FORMATS[variant["scale"]][1])
+    return getattr(_torch(), SCALE_FORMATS[scale_kind(variant)][1])
+
+
+def out_dtype(variant: dict):
+    return getattr(_torch(), out_dtype_name(variant))
 
 
 def prob_columns_name(variant: dict) -> str:
@@ -162,6 +186,8 @@ def check_permute(variant: dict, tokens, routing, probs, scale, num_experts, num
         check_tensor(variant, "scale", scale, (num_tokens, scale_columns(variant, hidden)), (scale_dtype(variant),),
                      device)
     elif scale is not None:
+        if variant.get("quantize", "none") != "none":
+            raise ValueError(f"{where}: this variant computes its {variant['quantize']} scales; pass no scale")
         raise ValueError(f"{where}: this variant moves no scales; use a variant with an fp8 scale")
     if check_routing is not None and not isinstance(check_routing, bool):
         raise TypeError(f"{where}: check_routing must be True, False or None, got {check_routing!r}")

@@ -47,8 +47,8 @@ call. All paths run the same backend code on the same arguments, so results are 
 
 import torch
 
-from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, prob_dtypes,
-                       routing_error, token_dtype)
+from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, out_dtype,
+                       prob_dtypes, routing_error, scale_columns, scale_dtype, scale_kind, token_dtype)
 from .results import PermuteResult, RowIdMap, route_words
 
 NAMESPACE = "permgen"
@@ -104,8 +104,9 @@ class Ops:
         self.combine_dtype = combine_dtype(variant)
         self.mask = variant["routing"] == "mask"
         self.has_probs = variant["probs"]
-        self.has_scale = variant["scale"] != "none"
+        self.has_scale = scale_kind(variant) != "none"  # permute returns scales (moved, or computed)
         self.fp8 = self.token_dtype.itemsize == 1
+        self.quantizes = variant["quantize"] != "none"
         self.prefix = _prefix(getattr(backend, "target", "triton"), self.name)
         self._register()
 
@@ -203,9 +204,11 @@ class Ops:
         num_rows = num_out_tokens
         if num_rows is None:  # the rows the routes need: known only once the routing is read
             num_rows = torch.library.get_ctx().new_dynamic_size()
-        out = tokens.new_empty((num_rows, hidden))
+        out = tokens.new_empty((num_rows, hidden), dtype=out_dtype(self.variant))
         out_probs = None if probs is None else probs.new_empty((num_rows,))
-        out_scale = None if scale is None else scale.new_empty((num_rows, scale.shape[1]))
+        out_scale = None
+        if self.has_scale:
+            out_scale = tokens.new_empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant))
         tokens_per_expert = tokens.new_empty((num_experts,), dtype=torch.int64)
         row_map = tokens.new_empty((route_words(self.mask, num_tokens, width) + 2 * num_experts + 1,),
                                    dtype=torch.int32)
@@ -217,7 +220,9 @@ class Ops:
         ctx.save_for_backward(output[-1])
         ctx.sizes = (tokens.shape[0], width, num_experts, output[0].shape[0])
         ctx.probs_meta = None if probs is None else (probs.shape[1], probs.dtype)
-        frozen = [output[0]] if self.fp8 else []  # fp8 tokens are quantised data, never differentiated
+        # fp8 rows are quantised data, never differentiated: autograd would cast their grads to fp8.
+        # Quantising variants' token grads are unpermute(grad_rows, row_id_map), the straight-through sum.
+        frozen = [output[0]] if self.fp8 or self.quantizes else []
         if self.has_scale:
             frozen.append(output[1 + self.has_probs])
         if frozen:

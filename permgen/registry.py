@@ -9,7 +9,8 @@ from . import contract
 GENERATED = "permgen.generated"  # the package the generator writes (generated/ in the repository)
 _LOOKUP_AXES = tuple(a for a in contract.AXES if a != "targets")
 AXIS_DEFAULTS = {a: v for a, v in contract.AXIS_DEFAULTS.items() if a != "targets"}
-AXIS_CHOICES = {"dtype": contract.DTYPES, "routing": contract.ROUTINGS, "scale": contract.SCALES}
+AXIS_CHOICES = {"dtype": contract.DTYPES, "routing": contract.ROUTINGS, "scale": contract.SCALES,
+                "quantize": contract.QUANTIZES}
 
 
 def variants() -> dict:
@@ -38,6 +39,10 @@ def _check_axis_values(axes):
     if scale != "none" and axes["dtype"] not in contract.FP8_DTYPES:
         raise ValueError(f"scale {scale!r} needs an fp8 dtype ({', '.join(map(repr, contract.FP8_DTYPES))}), "
                          f"got dtype {axes['dtype']!r}; use scale='none'")
+    quantize = axes.get("quantize", AXIS_DEFAULTS["quantize"])
+    if quantize != "none" and (axes["dtype"] not in contract.QUANTIZABLE_DTYPES or scale != "none"):
+        raise ValueError(f"quantize {quantize!r} needs a dtype in {', '.join(map(repr, contract.QUANTIZABLE_DTYPES))} "
+                         f"and scale='none', got dtype {axes['dtype']!r}, scale {scale!r}")
 
 
 def find_variant(target, **axes) -> str:

@@ -52,7 +52,7 @@ def _load_modules() -> dict:
     Loaded once, when this module is imported: torch.compile then traces a dict lookup, never an import."""
     modules = {}
     for name, v in variants().items():
-        if "triton" in v["targets"] and v["scale"] == "none":
+        if "triton" in v["targets"] and v["scale"] == "none" and v["quantize"] == "none":
             axes = (v["dtype"], v["routing"], v["probs"], v["pad"])
             modules[axes] = get_kernel("triton", **dict(zip(("dtype", "routing", "probs", "pad"), axes)))
     return modules
@@ -212,7 +212,7 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
 # Chunk sort
 # ---------------------------------------------------------------------------------------------
 
-_AXES = ("dtype", "routing", "probs", "scale", "pad")
+_AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad")
 
 
 def _load_chunk_sort_modules() -> dict:

@@ -18,7 +18,7 @@ from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_gra
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")  # where the Triton target runs; NKI runs on CPU tensors
 META = torch.device("meta")
-LOOKUP_AXES = ("dtype", "routing", "probs", "scale", "pad")
+LOOKUP_AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def permute_and_reference(mod, tokens, routing, probs, scale, *, num_experts, nu
     hint = {} if topk is None else {"topk": topk}
     res = mod.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=num_out_tokens, **hint)
     ref = permute_ref(tokens, routing, routing_kind=v["routing"], num_experts=num_experts, probs=probs, scale=scale,
-                      pad=v["pad"], num_out_tokens=num_out_tokens)
+                      pad=v["pad"], num_out_tokens=num_out_tokens, quantize=v["quantize"])
     return res, ref
 
 
@@ -260,7 +260,7 @@ def assert_permute_matches(mod, res, ref, routing):
         assert_bits_equal(res.probs, ref_probs, "permuted probs")
     else:
         assert res.probs is None
-    if v["scale"] != "none":
+    if contract.scale_kind(v) != "none":
         assert_bits_equal(res.scale, ref_scale, "permuted scales")
     else:
         assert res.scale is None
@@ -314,7 +314,7 @@ def check_permute_backward(mod, tokens, routing, probs, scale, *, num_experts, n
     Returns (permute's result, grads) for comparisons between runs."""
     v = mod.VARIANT
     hint = {} if topk is None else {"topk": topk}
-    differentiable_tokens = not is_fp8(v)
+    differentiable_tokens = not is_fp8(v) and v["quantize"] == "none"  # quantised rows: see check_straight_through
     if not differentiable_tokens and probs is None:
         res = mod.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=num_out_tokens, **hint)
         for t in (res.tokens, res.scale, res.tokens_per_expert, res.row_id_map.row_map):
@@ -358,7 +358,7 @@ def check_roundtrip(mod, target, tokens, routing, probs, scale, *, num_experts, 
     res, permute_grads = check_permute_backward(mod, tokens, routing, probs, scale, num_experts=num_experts,
                                                 num_out_tokens=num_out_tokens, generator=generator, topk=topk)
     ref = permute_ref(tokens, routing, routing_kind=v["routing"], num_experts=num_experts, probs=probs, scale=scale,
-                      pad=v["pad"], num_out_tokens=num_out_tokens)
+                      pad=v["pad"], num_out_tokens=num_out_tokens, quantize=v["quantize"])
     assert_permute_matches(mod, res, ref, routing)
     out, unpermute_grads = check_unpermute(mod, target, res, ref[-1], routing.shape, generator, merge=merge)
     return res, (out, *permute_grads, *unpermute_grads)

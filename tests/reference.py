@@ -72,8 +72,52 @@ def plan_routes(routing, routing_kind: str, num_experts: int, pad: int = 0, num_
     return Routes(token[kept], col[kept], expert[kept], dst[kept], num_rows, tokens_per_expert, start)
 
 
-def permute_ref(tokens, routing, *, routing_kind, num_experts, probs=None, scale=None, pad=0, num_out_tokens=None):
-    """Returns (permuted tokens, permuted probs | None, permuted scale | None, tokens_per_expert, Routes)."""
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_ref(tokens: torch.Tensor, kind: str):
+    """Quantise tokens [N, H] to float8_e4m3fn: (rows, scales). README, "Quantising variants".
+
+    Per block of `cols` channels (the last block of a row may be shorter), with amax = max |x| in fp32:
+    - block128: e = ceil(log2(max(amax, 1e-4) / 448)) (2^127 for a block holding NaN or Inf);
+      scale = 2^e as fp32; rows x * 2^-e.
+    - mx32: E = ceil(log2(amax / 448)) + 127 clamped to [0, 254] (0 for amax 0, 0xFF for NaN or
+      Inf); scale = E as a uint8 (e8m0); rows x * 2^(127 - E).
+    Rows are rounded to nearest even and saturate at +-448; NaN stays NaN.
+    """
+    cols = {"block128": 128, "mx32": 32}[kind]
+    num_tokens, hidden = tokens.shape
+    blocks = -(-hidden // cols)
+    x = torch.zeros(num_tokens, blocks * cols, dtype=torch.float32, device=tokens.device)
+    x[:, :hidden] = tokens.float()
+    x = x.view(num_tokens, blocks, cols)
+    amax = x.abs().amax(dim=2)  # NaN propagates
+    non_finite = ~torch.isfinite(amax)
+    if kind == "block128":
+        amax = amax.clamp(min=1e-4)
+    # ceil(log2(amax / 448)) exactly: amax = m * 2^p with m in [0.5, 1) and 448 = 0.875 * 2^9.
+    m, p = torch.frexp(amax)
+    exponent = p - 9 + (m > 0.875).to(p.dtype)
+    if kind == "block128":
+        exponent = torch.where(non_finite, 127, exponent)
+        scale = torch.exp2(exponent.float())
+    else:
+        exponent = torch.where(amax == 0, -127, exponent).clamp(-127, 127)
+        exponent = torch.where(non_finite, 128, exponent)
+        scale = (exponent + 127).to(torch.uint8)
+    y = x * torch.exp2(-exponent.float())[:, :, None]  # a power of two: exact down to fp32's subnormals
+    y = y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)  # saturate (torch's fp8 cast would give NaN)
+    rows = y.view(num_tokens, blocks * cols)[:, :hidden].to(torch.float8_e4m3fn)
+    return rows, scale
+
+
+def permute_ref(tokens, routing, *, routing_kind, num_experts, probs=None, scale=None, pad=0, num_out_tokens=None,
+                quantize="none"):
+    """Returns (permuted tokens, permuted probs | None, permuted scale | None, tokens_per_expert, Routes).
+
+    quantize (block128 / mx32): quantise first (quantize_ref), then permute the fp8 rows and scales."""
+    if quantize != "none":
+        tokens, scale = quantize_ref(tokens, quantize)
     r = plan_routes(routing, routing_kind, num_experts, pad, num_out_tokens)
     dev = tokens.device
     token, dst = r.token.to(dev), r.dst.to(dev)
