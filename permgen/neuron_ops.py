@@ -23,7 +23,9 @@ from typing import Optional
 
 import torch
 
-NEURON_DEVICE = "neuron"  # torch.device type of Neuron tensors under torch-neuronx (TorchNeuron)
+# torch.device types of Neuron tensors: "neuron" under TorchNeuron (torch-neuronx 2.14, SDK 2.33); "xla" under
+# the earlier torch-xla based torch-neuronx, where an @nki.jit kernel called on XLA tensors also runs on the device.
+NEURON_DEVICES = ("neuron", "xla")
 
 # Schema argument types permgen's ops use -> the annotation torch.library.infer_schema maps back to them.
 _ANNOTATIONS = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "SymInt": int, "SymInt?": Optional[int],
@@ -39,7 +41,7 @@ def torch_neuronx():
 
 
 def is_neuron(t: torch.Tensor) -> bool:
-    return t.device.type == NEURON_DEVICE
+    return t.device.type in NEURON_DEVICES
 
 
 def prototype(impl, schema: str):
