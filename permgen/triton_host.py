@@ -24,8 +24,11 @@ _NUM_WARPS = 4
 # 64, 8 programs of 4 warps fit on an SM instead of 4-6 (mask-routing unpermute backward: 1.19 -> 1.07).
 _MAX_REGISTERS = 64
 _ROUTE_WARPS = 8
-# Mask routing visits a token's live routes this many at a time: the k of common MoE layers fits
-# one step, and the row map's width (topk or E) does not change the kernels' work.
+# Mask routing visits a token's live routes a tile at a time, the power of two nearest the average
+# routes per token (rows / tokens, known on the host without a sync), at most 8 and the row map's
+# width: a tile wider than a token's routes costs registers and occupancy for rows never live (at
+# k = 2 a tile of 8 made unpermute 1.17x the copy floor instead of 1.08x); a token with more
+# routes than the tile visits them a tile at a time.
 _MAX_ROUTE_TILE = 8
 _PAD_ROWS_PER_PROGRAM = 16
 _TAIL_ROWS_PER_PROGRAM = 64  # rows past the last segment are zeroed by up to M / 64 programs
@@ -146,16 +149,25 @@ class TritonBackend:
 
     # -- geometry --------------------------------------------------------------------------------
 
-    def _route_tile(self, width, num_experts):
-        """Route slots a kernel visits per step: all k of index routing at once; for mask routing
-        the same tile with or without a topk hint (it depends on E only, never on the row map's width)."""
+    def _max_route_tile(self, width, num_experts):
         if self.mask:
             return _pow2(min(num_experts, _MAX_ROUTE_TILE))
         return _pow2(width)
 
+    def _route_tile(self, width, num_experts, num_tokens, num_rows):
+        """Route slots a kernel visits per step: all k of index routing at once; for mask routing the
+        tile that holds a typical token's routes (see _MAX_ROUTE_TILE), with or without a topk hint."""
+        if not self.mask:
+            return _pow2(width)
+        typical = round(num_rows / num_tokens) if num_tokens else 1
+        return min(_pow2(typical), _pow2(min(width, num_experts, _MAX_ROUTE_TILE)))
+
+    def _row_map_tile(self, row_id_map):
+        return self._route_tile(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens, row_id_map.num_rows)
+
     def _routing_geometry(self, num_tokens, width, num_experts):
         """(programs, scratch words, constexprs) of the routing kernel for one shape."""
-        block_tokens = _block_tokens(self._route_tile(width, num_experts))
+        block_tokens = _block_tokens(self._max_route_tile(width, num_experts))
         # At least one routing program runs: the last one lays out the segments, even for N = 0.
         num_blocks = max(1, _cdiv(num_tokens, block_tokens))
         e_pow2 = _pow2(num_experts)
@@ -181,7 +193,7 @@ class TritonBackend:
                 dict(PAD_GROUPS=pad_groups, PAD_ROWS_PER_PROGRAM=_PAD_ROWS_PER_PROGRAM))
 
     def _route_meta(self, row_id_map, hidden_block):
-        meta = dict(K=row_id_map.width, ROUTES=self._route_tile(row_id_map.width, row_id_map.num_experts))
+        meta = dict(K=row_id_map.width, ROUTES=self._row_map_tile(row_id_map))
         if self.mask:
             meta.update(E=row_id_map.num_experts)
         meta.update(BLOCK_H=hidden_block, num_warps=_NUM_WARPS, maxnreg=_MAX_REGISTERS)
@@ -220,7 +232,7 @@ class TritonBackend:
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=cap is not None)
         if zero_programs + num_tokens:
             args = [tokens] + ([] if self.mask else [routing]) + [row_map, scratch, out]
-            meta = dict(K=width, ROUTES=self._route_tile(width, num_experts), E=num_experts,
+            meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts,
                         BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
             if not self.mask:
                 meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
@@ -268,7 +280,7 @@ class TritonBackend:
                 _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map, grad_out_probs,
                         grad_probs, grad_tokens, num_tokens, grad_out.shape[1], **meta)
             elif num_tokens:
-                meta = dict(K=row_id_map.width, ROUTES=self._route_tile(row_id_map.width, row_id_map.num_experts))
+                meta = dict(K=row_id_map.width, ROUTES=self._row_map_tile(row_id_map))
                 if self.mask:
                     meta.update(E=row_id_map.num_experts, E_POW2=_pow2(row_id_map.num_experts))
                 _launch(self.kernels.route_prob_grads, num_tokens, row_id_map.row_map, grad_out_probs, grad_probs,
@@ -306,12 +318,13 @@ class TritonBackend:
         self.sort_chunks_kernels = (rows_kernel, rows_and_probs_kernel)
 
     def sort_chunks(self, rows, tokens, probs):
-        """out[r] = tokens[rows[r]] (and probs): one program per row."""
+        """out[r] = tokens[rows[r]] (and probs): one program per entry of rows (a row gather; the
+        chunk sort's rows are a permutation, expert parallelism's may repeat or skip rows)."""
         rows_kernel, rows_and_probs_kernel = self.sort_chunks_kernels
-        num_rows, hidden = tokens.shape
+        num_rows, hidden = rows.shape[0], tokens.shape[1]
         moved = tokens.view(torch.uint8) if self.fp8 else tokens  # fp8 rows move as bytes
-        out = torch.empty_like(moved)
-        out_probs = None if probs is None else torch.empty_like(probs)
+        out = torch.empty((num_rows, hidden), dtype=moved.dtype, device=moved.device)
+        out_probs = None if probs is None else torch.empty(num_rows, dtype=probs.dtype, device=probs.device)
         if num_rows:
             meta = dict(BLOCK_H=_row_block(moved), num_warps=_NUM_WARPS)
             if probs is None:
