@@ -140,7 +140,7 @@ class NkiBackend:
         count can cause are few (a capacity is a static size: one compile each on Neuron)."""
         pad = self.variant["pad"]
         most = num_tokens * width + (num_experts * (pad - 1) if pad else 0)
-        return max(num_rows, min(most, 1 << max(num_rows - 1, 0).bit_length()))
+        return max(num_rows, min(most, MAX_ROWS - 1, 1 << max(num_rows - 1, 0).bit_length()))
 
     @staticmethod
     def _sizes(row_id_map):
