@@ -2,9 +2,11 @@
 
 The real compiler and simulator (`nki`, from the AWS Neuron package index) are not installable in
 CI, so the generated NKI kernels are tested against this emulator instead. It runs a kernel as
-plain Python over NumPy arrays and is deliberately strict: tiles keep the hardware's partition,
-SBUF and PSUM limits, DMA never converts dtypes, fresh memory is poisoned, and indirect DMA lanes
-that fall out of bounds are an error unless the copy asks for `oob_mode.skip`.
+plain Python over NumPy arrays and is as strict as the NKI documentation: tiles keep the hardware's
+partition, SBUF and PSUM limits, fresh memory is poisoned, indirect DMA lanes that fall out of
+bounds are an error unless the copy asks for `oob_mode.skip`, and rules that differ between
+Trainium generations follow the Platform the kernel runs on (`on(Platform("trn3"))`; Trainium2
+by default).
 
     import nki_emulator
     nki_emulator.install()      # registers `nki`, `nki.language`, `nki.isa`, `nki.collectives`
@@ -26,11 +28,25 @@ import types
 import numpy as np
 
 from . import _core, collectives, isa, language
-from ._core import Cost, EmulatorError, Tensor
+from ._core import Cost, EmulatorError, Platform, Tensor
 from .collectives import run_ranks
 
-__all__ = ["Cost", "EmulatorError", "jit", "recording", "simulate", "install", "real_nki_available", "run_ranks", "language", "isa",
-           "collectives"]
+__all__ = ["Cost", "EmulatorError", "Platform", "jit", "on", "recording", "simulate", "install", "real_nki_available",
+           "run_ranks", "language", "isa", "collectives"]
+
+
+@contextlib.contextmanager
+def on(platform: Platform):
+    """Run the kernels inside the block on `platform` (default outside: Trainium2):
+
+        with nki_emulator.on(nki_emulator.Platform("trn3")):
+            nki.simulate(kernel)(*arrays)
+    """
+    _core.push_platform(platform)
+    try:
+        yield platform
+    finally:
+        _core.pop_platform()
 
 
 class Kernel:

@@ -34,6 +34,54 @@ INT_POISON = {1: 0xA5, 2: 0xA5A5, 4: 0x5A5AA5A5}  # unsigned bit patterns by ite
 
 
 # ---------------------------------------------------------------------------------------------
+# The machine a kernel runs on: rules that differ between Trainium generations read it.
+@dataclass(frozen=True)
+class Platform:
+    """A Trainium generation and the rank layout of the collectives' world.
+
+    generation: "trn2" (NeuronCore-v3, no NeuronSwitch fabric) or "trn3" (NeuronCore-v4, NeuronSwitch).
+    lnc: logical NeuronCore degree; a rank is one logical core.
+    ranks_per_device: logical cores per device (4 at LNC=2 on both generations: the all_to_all_v page
+    says "4 under LNC=2" for Trn3; a Trn2 device has 8 physical cores).
+    ranks_per_node: ranks of one EC2 instance (trn2.48xlarge: 16 devices x 4 at LNC=2). Tests shrink it
+    to model several instances with few threads.
+    """
+    generation: str = "trn2"
+    lnc: int = 2
+    ranks_per_device: int = 4
+    ranks_per_node: int = 64
+
+    def __post_init__(self):
+        if self.generation not in ("trn2", "trn3"):
+            raise EmulatorError(f"Platform generation must be 'trn2' or 'trn3', got {self.generation!r}")
+        if self.lnc not in (1, 2) or self.ranks_per_device < 1 or self.ranks_per_node < 1:
+            raise EmulatorError(f"bad platform layout {self}")
+
+    @property
+    def nc_version(self) -> int:
+        """NeuronCore version: v3 on Trainium2, v4 on Trainium3."""
+        return 3 if self.generation == "trn2" else 4
+
+
+_platform = [Platform()]  # one machine per process (rank threads share it)
+
+
+def platform() -> Platform:
+    return _platform[-1]
+
+
+def push_platform(p: Platform) -> None:
+    if not isinstance(p, Platform):
+        raise EmulatorError(f"expected an nki_emulator.Platform, got {type(p).__name__}")
+    _platform.append(p)
+
+
+def pop_platform() -> None:
+    if len(_platform) > 1:
+        _platform.pop()
+
+
+# ---------------------------------------------------------------------------------------------
 # Memories.
 @dataclass(frozen=True)
 class Buffer:
@@ -222,6 +270,10 @@ class Tensor:
     def ndim(self) -> int:
         return self.array.ndim
 
+    @property
+    def itemsize(self) -> int:
+        return self.array.dtype.itemsize
+
     def __repr__(self) -> str:
         return f"Tensor({self.name or '?'}, {self.shape}, {self.dtype}, {self.buffer!r})"
 
@@ -246,6 +298,18 @@ class Tensor:
             raise EmulatorError("a tile keeps its partition axis: index it with a slice, e.g. t[0:1, ...]")
         return Tensor(self.array[key], self.buffer, self.name, whole=False)
 
+    def view(self, dtype) -> "Tensor":
+        """The same bytes as another dtype (nki.language tensor .view): the last axis scales by the ratio
+        of the item sizes. Used to zero fp8 tiles through an integer view."""
+        dtype = as_dtype(dtype)
+        old = self.dtype.itemsize
+        if (self.shape[-1] * old) % dtype.itemsize:
+            raise EmulatorError(f"view as {dtype}: the last axis of {self.shape} ({old}-byte items) does not split "
+                                f"into {dtype.itemsize}-byte items")
+        if not self.array.flags.c_contiguous and self.array.strides[-1] != old:
+            raise EmulatorError("view needs a tensor whose last axis is contiguous")
+        return Tensor(self.array.view(dtype), self.buffer, self.name, whole=self.whole)
+
     def ap(self, pattern, offset=0, vector_offset=None, indirect_dim=0, scalar_offset=None, dtype=None):
         if not self.whole:
             raise EmulatorError(".ap() addresses a whole tensor's storage; call it on the tensor, not a slice")
@@ -263,8 +327,11 @@ class AccessPattern:
     """tensor.ap(pattern=[[step, count], ...], offset, vector_offset=idx | scalar_offset=reg, indirect_dim=d).
 
     Element (i0, i1, ...) lives at flat storage address offset + sum_d i_d * step_d; with a
-    vector offset, dimension d's index i_d is replaced by idx[i_d, 0], and a lane whose index lies
-    outside the tensor's extent along that dimension (size // step_d) is out of bounds. A scalar
+    vector offset, dimension d's index i_d is replaced by idx[i_d, 0] and moves by the base tensor's
+    stride along its dimension d (the hardware takes the row stride from the tensor, not from the
+    pattern's step: a probe of `.ap([[4, 2], [1, 4]], vector_offset=[1, 2])` on an [R, 8] tensor reads
+    elements 8 and 16, not 4 and 8); a lane whose index lies outside the tensor's extent along
+    that dimension is out of bounds. A scalar
     offset (a register) starts dimension d's access that many elements of d further on: the
     address grows by value * step_d; the whole access must stay inside the tensor.
     """
@@ -278,6 +345,13 @@ class AccessPattern:
         if scalar_offset is not None and not 0 <= indirect_dim < len(pattern):
             raise EmulatorError(f"indirect_dim {indirect_dim} outside the {len(pattern)}-d pattern")
         if vector_offset is not None:
+            # The DGE gathers/scatters rows of an HBM tensor with indices from SBUF: the indexed tensor
+            # must be in HBM (nki.isa.dma_copy, 2.33: "gather or scatter ... using a list of dynamic
+            # indices from SBUF"; NKI access patterns deep dive, nki/deep-dives/nki-aps.rst).
+            if tensor.buffer not in HBM_BUFFERS:
+                raise EmulatorError(f"vector_offset indexes HBM tensors only; {tensor!r} is in {tensor.buffer!r}")
+            if indirect_dim >= tensor.ndim:
+                raise EmulatorError(f"indirect_dim {indirect_dim} is not a dimension of the {tensor.ndim}-d {tensor!r}")
             if not isinstance(vector_offset, Tensor) or vector_offset.buffer is not SBUF:
                 raise EmulatorError("vector_offset must be an SBUF tile")
             if vector_offset.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
@@ -315,7 +389,8 @@ class AccessPattern:
                 index = self.vector_offset.array[:, 0].astype(np.int64)
                 if self.vector_offset.dtype == np.dtype(np.int32) and (index == _as_signed(INT_POISON[4])).any():
                     raise EmulatorError("vector_offset holds never-written entries")
-                extent = storage.size // step if step else 1
+                step = self.tensor.array.strides[d] // self.tensor.dtype.itemsize
+                extent = self.tensor.shape[d]
                 valid = (index >= 0) & (index < extent)
                 index = np.where(valid, index, 0)
             shape = [1] * len(self.pattern)

@@ -8,6 +8,13 @@ its destination, overlapping receive intervals, receive counts that disagree wit
 send, or ranks calling different collectives are errors, and an error on one rank fails them all.
 
     results = run_ranks(fn, [args_rank0, args_rank1, ...])   # fn(*args) on every rank
+    results = run_ranks(fn, rank_args, platform=Platform("trn3"))
+
+The world runs on a Platform (default: Trainium2, every rank on one instance), and all_to_all_v
+enforces that generation's documented restrictions (nki.collectives.all_to_all_v, 2.33, "Current
+restrictions"): on Trn3's NeuronSwitch fabric it needs LNC=2, more than one device, and rank-lists
+of consecutive ranks holding every rank of each device they touch; on Trn2, has_rdispls=True only
+on inter-node rank-lists (same-indexed ranks of different instances).
 
 `fn` is any Python callable: a kernel, or host code that launches kernels through nki.simulate.
 """
@@ -21,9 +28,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _core
-from ._core import EmulatorError, Tensor
+from ._core import EmulatorError, Platform, Tensor
 
-__all__ = ["ReplicaGroup", "all_to_all", "all_to_all_v", "rank_id", "run_ranks"]
+__all__ = ["Platform", "ReplicaGroup", "all_to_all", "all_to_all_v", "rank_id", "run_ranks"]
 
 BARRIER_TIMEOUT_S = 120.0
 
@@ -135,15 +142,44 @@ def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=
         dst.array[i * chunk:(i + 1) * chunk] = posts[r][me * chunk:(me + 1) * chunk]
 
 
+def _check_generation(kind: str, ranks: list[int], has_rdispls: bool) -> None:
+    """The platform's documented restrictions on all_to_all_v (nki.collectives.all_to_all_v, 2.33,
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.collectives.all_to_all_v.html,
+    "Current restrictions")."""
+    plat = _core.platform()
+    if plat.generation == "trn3":
+        per_device = plat.ranks_per_device
+        devices = sorted({r // per_device for r in ranks})
+        if plat.lnc != 2:
+            raise EmulatorError(f"{kind} on a NeuronSwitch (trn3) platform requires LNC=2, this one runs LNC={plat.lnc}")
+        if len(devices) < 2:
+            raise EmulatorError(f"{kind} on a NeuronSwitch (trn3) platform needs more than one participating device; "
+                                f"rank-list {ranks} lies on device {devices[0]} ({per_device} ranks per device)")
+        whole = [r for d in devices for r in range(d * per_device, (d + 1) * per_device)]
+        if ranks != whole:
+            raise EmulatorError(f"{kind} on a NeuronSwitch (trn3) platform: rank-list {ranks} must be consecutive ranks "
+                                f"holding every rank of each device it touches ({whole}); keep an unused rank in the "
+                                f"list with send count 0")
+        return
+    if has_rdispls:
+        nodes = [r // plat.ranks_per_node for r in ranks]
+        local = {r % plat.ranks_per_node for r in ranks}
+        if len(set(nodes)) != len(nodes) or len(local) != 1:
+            raise EmulatorError(f"{kind}(has_rdispls=True) on trn2 needs an inter-node rank-list (same-indexed ranks "
+                                f"of different instances, {plat.ranks_per_node} ranks per instance); {ranks} is not one. "
+                                f"Use has_rdispls=False (receive slots of dst.size / group size)")
+
+
 def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=False, has_rdispls=False,
                  priority=None, name=None):
     """Variable all-to-all over flat element buffers.
 
     metadata_tensor: uint32 HBM [rows, group size]; row 0 send counts, row 1 send displacements,
-    row 2 receive counts (read when recv_counts_known, else written with what arrived), row 3
-    receive displacements (read when has_rdispls, else receive slot j starts at j * dst.size / group
-    size), all in elements. Sender j's elements src_j[sdispl_j[me] : + scount_j[me]] land at
-    dst[rdispl[j] : + count].
+    row 2 receive counts, row 3 receive displacements (read when has_rdispls, else receive slot j
+    starts at j * dst.size / group size), all in elements. Row 2 is never read: with
+    recv_counts_known=True it is left untouched, otherwise the runtime writes what arrived there
+    (all_to_all_v, 2.33: metadata rows). Sender j's elements src_j[sdispl_j[me] : + scount_j[me]]
+    land at dst[rdispl[j] : + count]. The platform's generation restrictions apply (_check_generation).
     """
     kind = "all_to_all_v"
     _core.count_instruction()
@@ -159,13 +195,14 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
     if meta.shape[0] < need_rows:
         raise EmulatorError(f"{kind}: metadata_tensor needs {need_rows} rows (has_rdispls={has_rdispls}), got {meta.shape}")
     values = meta.array.astype(np.int64)
-    read_rows = [0, 1] + ([2] if recv_counts_known else []) + ([3] if has_rdispls else [])
+    read_rows = [0, 1] + ([3] if has_rdispls else [])
     if (values[read_rows] == _core.INT_POISON[4]).any():
         raise EmulatorError(f"{kind}: metadata_tensor holds never-written entries")
     ranks, me, posts = _exchange(kind, replica_group, (src.array.reshape(-1).copy(), values[0].copy(), values[1].copy()))
     size = len(ranks)
     if meta.shape[1] != size:
         raise EmulatorError(f"{kind}: metadata_tensor has {meta.shape[1]} columns for a rank-list of {size} ranks")
+    _check_generation(kind, ranks, has_rdispls)
 
     # What each peer sends this rank, checked against the peer's source buffer.
     arriving = []
@@ -177,11 +214,6 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
                                 f"past the end of its {flat.size}-element source")
         arriving.append(flat[displ:displ + count])
     counts = np.array([a.size for a in arriving], dtype=np.int64)
-    if recv_counts_known:
-        expected = values[2]
-        if not np.array_equal(expected, counts):
-            raise EmulatorError(f"{kind}: receive counts {expected.tolist()} on rank {ranks[me]} disagree with what "
-                                f"the peers send, {counts.tolist()}")
     if has_rdispls:
         starts = values[3]
         limits = np.full(size, dst.array.size, dtype=np.int64)
@@ -207,10 +239,18 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
 
 
 # ---------------------------------------------------------------------------------------------
-def run_ranks(fn: Callable, rank_args: Sequence[Sequence[Any]], rank_kwargs: Sequence[dict] | None = None) -> list:
+def run_ranks(fn: Callable, rank_args: Sequence[Sequence[Any]], rank_kwargs: Sequence[dict] | None = None,
+              platform: Platform | None = None) -> list:
     """Run fn(*rank_args[r], **rank_kwargs[r]) on ranks 0 .. len(rank_args)-1, one thread per rank,
-    and return their results in rank order. If any rank raises, the others are released from their
-    barriers and the first rank's own error is raised (with a note naming the rank)."""
+    on `platform` (default: the current one, Trainium2 unless set), and return their results in
+    rank order. If any rank raises, the others are released from their barriers and the first
+    rank's own error is raised (with a note naming the rank)."""
+    if platform is not None:
+        _core.push_platform(platform)
+        try:
+            return run_ranks(fn, rank_args, rank_kwargs)
+        finally:
+            _core.pop_platform()
     size = len(rank_args)
     if size < 1:
         raise EmulatorError("run_ranks needs at least one rank")

@@ -1,8 +1,8 @@
 """The `nki.isa` subset the generated kernels use. Every call takes its destination first.
 
-Engines compute arithmetic in fp32 and round once when writing the destination; DMA moves bytes
-and never converts. Each instruction checks what the hardware checks: memories, partition
-counts, matching shapes, dtypes.
+Engines compute arithmetic in fp32 and round once when writing the destination; DMA moves
+elements and converts when the two sides' dtypes differ. Each instruction checks what the
+documentation says the hardware checks: memories, partition counts, matching shapes, dtypes.
 """
 
 from __future__ import annotations
@@ -61,8 +61,15 @@ def _operand(op: Operator, operand, data: Tensor, what: str):
             raise EmulatorError(f"{what} must be a ({data.shape[0]}, 1) tile or a scalar, got {operand.shape}")
         column = operand.array if op.kind == "bitvec" else _fp32(operand)
         return column.reshape((data.shape[0],) + (1,) * (data.ndim - 1))
-    if not isinstance(operand, (int, float, np.integer, np.floating)):
+    if not isinstance(operand, (int, float, np.integer, np.floating)) or isinstance(operand, bool):
         raise EmulatorError(f"{what} must be a tile or a Python number, got {type(operand).__name__}")
+    # Arithmetic operators convert their inputs to fp32 ("Supported Math Operators for NKI ISA",
+    # nki/api/nki.api.shared); their scalar operands are floats (nki.isa.tensor_scalar and
+    # scalar_tensor_tensor, 2.33 signatures: `operand0: float | NkiTensor`). Integer scalars belong to
+    # bitvec operators, whose inputs are bit patterns.
+    if op.kind == "arith" and isinstance(operand, (int, np.integer)):
+        raise EmulatorError(f"{what}={operand!r} is an integer scalar for the arithmetic operator {op!r}: "
+                            f"pass a float (e.g. {float(operand)!r})")
     return operand
 
 
@@ -77,21 +84,28 @@ def _check_bitvec(op: Operator, *tiles: Tensor) -> None:
 
 # ---------------------------------------------------------------------------------------------
 def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, name=None):
-    """dst = src, moving bytes. One side may be an indirect access pattern; its out-of-bounds lanes
-    raise under oob_mode.error and are left untouched under oob_mode.skip."""
+    """dst = src. One side may be an indirect access pattern; its out-of-bounds lanes raise under
+    oob_mode.error and are left untouched under oob_mode.skip.
+
+    The DMA converts when the dtypes differ (nki.isa.dma_copy: "A cast will happen if the src and dst
+    have different dtype"), and needs equal element counts, not equal shapes (a direct copy moves the
+    elements in row-major order; nki-library's a2av kernels note the assert "src and dst have the same
+    number of elements"). An indirect copy keeps its lanes, so its two sides must have equal shapes."""
     if dst_rmw_op is not None:
         raise EmulatorError("dst_rmw_op is not emulated")
     for side, what in ((dst, "dst"), (src, "src")):
         if not isinstance(side, (Tensor, AccessPattern)):
             raise EmulatorError(f"dma_copy {what} must be a tensor or access pattern")
-    if dst.dtype != src.dtype:
-        raise EmulatorError(f"dma_copy does not convert: dst is {dst.dtype}, src is {src.dtype}")
-    if tuple(dst.shape) != tuple(src.shape):
-        raise EmulatorError(f"dma_copy shapes differ: dst {tuple(dst.shape)} vs src {tuple(src.shape)}")
     if isinstance(dst, AccessPattern) and isinstance(src, AccessPattern) and (
             dst.vector_offset is not None and src.vector_offset is not None):
         raise EmulatorError("only one side of a dma_copy may be indirect")
     indirect = any(isinstance(side, AccessPattern) and side.vector_offset is not None for side in (dst, src))
+    if tuple(dst.shape) != tuple(src.shape):
+        if indirect:
+            raise EmulatorError(f"indirect dma_copy shapes differ: dst {tuple(dst.shape)} vs src {tuple(src.shape)}")
+        if math.prod(dst.shape) != math.prod(src.shape):
+            raise EmulatorError(f"dma_copy element counts differ: dst {tuple(dst.shape)} holds {math.prod(dst.shape)}, "
+                                f"src {tuple(src.shape)} holds {math.prod(src.shape)}")
     if math.prod(dst.shape) == 0:
         _core.count_instruction(indirect)
         return
@@ -103,6 +117,11 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mo
         return storage[addresses], (valid, side.indirect_dim)
 
     values, src_lanes = read(src)
+    if tuple(values.shape) != tuple(dst.shape):
+        values = values.reshape(dst.shape)
+    if values.dtype != dst.dtype:
+        values = _core.cast(values if _core.is_int(values.dtype) and _core.is_int(dst.dtype) else values.astype(np.float32),
+                            dst.dtype)
     if isinstance(dst, AccessPattern):
         storage, addresses, valid = dst.resolve()
         lanes = (valid, dst.indirect_dim)
@@ -123,7 +142,7 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mo
         storage[addresses[keep]] = values[keep]
     else:
         dst.array[keep] = values[keep]
-    _core.count_instruction(indirect, int(np.count_nonzero(keep)) * values.dtype.itemsize)
+    _core.count_instruction(indirect, int(np.count_nonzero(keep)) * src.dtype.itemsize)
 
 
 def memset(dst, value, engine=None, name=None):
@@ -258,6 +277,15 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             raise EmulatorError(f"nc_matmul {what} must be 2-d")
         if t.dtype not in _core.MATMUL_DTYPES:
             raise EmulatorError(f"nc_matmul {what} dtype {t.dtype} is not a Tensor Engine input type")
+        # float8_e4m3fn is a NeuronCore-v4 (Trainium3) Tensor Engine format (nki.isa.nc_matmul, 2.33;
+        # nki.language float8_e4m3fn); NeuronCore-v3 takes the IEEE-like float8_e4m3 and float8_e5m2.
+        if t.dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
+            raise EmulatorError(f"nc_matmul {what} is float8_e4m3fn, a NeuronCore-v4 format; this platform is "
+                                f"{_core.platform().generation} (NeuronCore-v{_core.platform().nc_version})")
+    # The Tensor Engine multiplies fp32 by fp32 only: an fp32 input cannot pair with a narrower one
+    # (nki.isa.nc_matmul, 2.33: supported stationary/moving dtype combinations).
+    if (stationary.dtype == np.float32) != (moving.dtype == np.float32):
+        raise EmulatorError(f"nc_matmul input dtypes {stationary.dtype} x {moving.dtype}: fp32 pairs only with fp32")
     if not isinstance(dst, Tensor) or dst.buffer is not PSUM or dst.dtype != np.float32:
         raise EmulatorError("nc_matmul dst must be an fp32 PSUM tile")
     if is_transpose or accumulate:

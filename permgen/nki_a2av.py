@@ -1,11 +1,29 @@
-"""Expert-parallel dispatch on Trainium: `permute_a2av`, written once (it depends on no variant axis).
+"""Expert-parallel dispatch and combine on Trainium: `permute_a2av` / `unpermute_a2av`, written once
+(they depend on no variant axis).
 
-Each rank packs its routed rows by destination rank and the ranks exchange them with
-`ncc.all_to_all_v`. The rows are opaque here: no routing, probs or padding is involved, so one
-kernel serves every variant. The host function takes NumPy arrays (bfloat16 and fp8 as ml_dtypes
-arrays) and runs the kernel through nki.simulate; on a Trainium host, call the kernel directly.
-Every rank of the replica group calls it together (in the CPU emulator: under
-nki_emulator.run_ranks).
+Dispatch: each rank packs its routed rows by destination rank and the ranks exchange them; every
+rank receives the rows sent to it, source-major. Combine: the reverse exchange returns the expert
+outputs to the ranks they came from, and each rank merges a token's rows with its router probs.
+The rows are opaque here, so one kernel of each serves every variant.
+
+The exchange follows what the Neuron documentation allows on each Trainium generation
+(nki.collectives.all_to_all_v, 2.33, "Current restrictions"), chosen by the `generation` argument:
+
+- "trn2" (default; no NeuronSwitch): `all_to_all_v` with `has_rdispls=False` (receive
+  displacements are allowed only on inter-node rank-lists there). Source j's rows land in slot j of
+  a receive buffer of EP equal slots (slot = dst size / EP); a local compaction then packs the slots
+  source-major. Send buffers are `S` rows and receive buffers `EP * S` rows, S = max(send rows,
+  capacity): every slot holds what any one peer can send.
+- "trn3" (NeuronSwitch): `all_to_all_v` needs LNC=2, more than one device, and rank-lists of
+  consecutive ranks holding every rank of each device they touch (4 per device under LNC=2). Rank-
+  lists of that form (EP a multiple of 4, at least 8) exchange with `has_rdispls=True` straight
+  into the packed layout. Smaller groups (EP = 2, 4), which all_to_all_v cannot serve there, use
+  `all_to_all` on fixed slots of `recv_capacity` rows (equal on every rank) and the same compaction.
+
+The host functions take NumPy arrays (bfloat16 and fp8 as ml_dtypes arrays) and run the kernels
+through nki.simulate; on a Trainium host, call the kernels directly. Every rank of the replica
+group calls them together (in the CPU emulator: under nki_emulator.run_ranks, whose Platform
+should name the same generation).
 """
 
 from __future__ import annotations
@@ -21,10 +39,15 @@ import nki.collectives as ncc  # noqa: E402
 import nki.isa as nisa  # noqa: E402
 import nki.language as nl  # noqa: E402
 
-P = nl.tile_size.pmax  # rows per tile: one per partition
+# Rows per tile, one per partition. A literal: nl.tile_size.pmax is a language constant, not a
+# Python int, and sizes here feed min(), range steps and tile shapes (nki-library hard-codes 128 too).
+P = 128
 H_TILE = 2048  # hidden columns per SBUF tile
 MAX_EXACT = 1 << 24  # whole numbers are exact in fp32 below this
 A2AV_MAX_ELEMENTS = (1 << 32) - 1  # all_to_all_v counts and displacements are uint32 elements
+GENERATIONS = ("trn2", "trn3")
+RANKS_PER_DEVICE = 4  # ranks (logical cores) per device under LNC=2, which trn3's all_to_all_v requires
+_WORD = {1: nl.uint8, 2: nl.uint16, 4: nl.uint32}  # same-width integer views, for zeroing any dtype
 
 
 def _odd_part(n):
@@ -34,6 +57,38 @@ def _odd_part(n):
         n //= 2
         shift += 1
     return n, shift
+
+
+def exchange_for(replica_group, generation):
+    """How the ranks exchange rows: "a2av_slots" (trn2), "a2av_packed" (trn3, rank-lists of whole
+    devices on at least two devices) or "a2a_slots" (trn3, any other rank-lists)."""
+    if generation not in GENERATIONS:
+        raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
+    if generation == "trn2":
+        return "a2av_slots"
+    for ranks in _rank_lists(replica_group):
+        devices = sorted({r // RANKS_PER_DEVICE for r in ranks})
+        whole = [r for d in devices for r in range(d * RANKS_PER_DEVICE, (d + 1) * RANKS_PER_DEVICE)]
+        if len(devices) < 2 or list(ranks) != whole:
+            return "a2a_slots"
+    return "a2av_packed"
+
+
+def _rank_lists(replica_group):
+    groups = getattr(replica_group, "groups", None)
+    if groups is None:
+        raise TypeError(f"replica_group must be an ncc.ReplicaGroup, got {type(replica_group).__name__}")
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# Small device helpers
+# ---------------------------------------------------------------------------------------------
+
+def _zero(tile):
+    """Zero a tile through an integer view of its width: all-zero bits are +0.0 in every float format,
+    and no engine has to compute in the tile's own (possibly fp8) format."""
+    nisa.memset(tile.view(_WORD[tile.itemsize]), value=0)
 
 
 def _exclusive_scan(counts):
@@ -48,6 +103,18 @@ def _exclusive_scan(counts):
     return starts
 
 
+def _on_every_partition(row):
+    """[1, EP] fp32 tile -> [P, EP] fp32 tile holding it on every partition (ones[1, P].T @ row)."""
+    ep = row.shape[1]
+    ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(ones, value=1.0)
+    spread = nl.ndarray((P, ep), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=spread, stationary=ones, moving=row)
+    out = nl.ndarray((P, ep), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=spread)
+    return out
+
+
 def _store_elements(dst, rows, hidden):
     """dst (a uint32 [1, EP] HBM row) = rows * hidden, exactly: rows * odd(hidden) is a whole number
     below 2^24, so exact in fp32; the power of two of hidden is then a left shift on the integers."""
@@ -60,11 +127,141 @@ def _store_elements(dst, rows, hidden):
     nisa.dma_copy(dst=dst, src=elements)
 
 
+def _metadata(send_f, recv_f, hidden, sends_back=False):
+    """uint32 [4, EP] HBM: send counts, send displacements, receive counts, receive displacements in
+    elements, segments packed in rank order. sends_back swaps the roles (the combine sends what the
+    dispatch received)."""
+    ep = send_f.shape[1]
+    out_f, in_f = (recv_f, send_f) if sends_back else (send_f, recv_f)
+    metadata = nl.ndarray((4, ep), dtype=nl.uint32, buffer=nl.shared_hbm)
+    _store_elements(metadata[0:1, :], out_f, hidden)
+    _store_elements(metadata[1:2, :], _exclusive_scan(out_f), hidden)
+    _store_elements(metadata[2:3, :], in_f, hidden)
+    _store_elements(metadata[3:4, :], _exclusive_scan(in_f), hidden)
+    return metadata
+
+
+def _exchange_counts(send_counts, replica_group):
+    """(send, recv) row counts as [1, EP] fp32 tiles: recv[j] is what rank j of the rank-list sends
+    here, learnt from one all_to_all of one count per peer."""
+    ep = send_counts.shape[1]
+    counts_in = nl.ndarray((1, ep), dtype=send_counts.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=counts_in, src=send_counts)
+    counts_u = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=counts_u, src=counts_in)
+    count_send = nl.ndarray((ep, 1), dtype=nl.uint32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=count_send, src=counts_u)  # [1, EP] -> [EP, 1]: equal element counts
+    count_recv = nl.ndarray((ep, 1), dtype=nl.uint32, buffer=nl.shared_hbm)
+    ncc.all_to_all(srcs=[count_send], dsts=[count_recv], replica_group=replica_group, collective_dim=0)
+    recv_u = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=recv_u, src=count_recv)
+    send_f = nl.ndarray((1, ep), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=send_f, src=counts_u)
+    recv_f = nl.ndarray((1, ep), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=recv_f, src=recv_u)
+    return send_f, recv_f
+
+
+def _slot_rows(first, rows, starts, counts, slot_rows):
+    """int32 [P, 1]: for the packed positions first .. first+rows-1, where segment j covers
+    [starts[j], starts[j] + counts[j]), the row j * slot_rows + (position - starts[j]) of the slotted
+    layout; -1 for a position in no segment; past the whole slotted layout (an out-of-bounds row)
+    where a segment overflows its slot. starts, counts: [P, EP] fp32, equal on every partition."""
+    ep = starts.shape[1]
+    position = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(position, pattern=[[0, 1]], offset=first, channel_multiplier=1)
+    rel = nl.ndarray((P, ep), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rel[0:rows, :], data=starts[0:rows, :], op0=nl.subtract, operand0=position[0:rows, :],
+                       reverse0=True)
+    inside = nl.ndarray((P, ep), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=inside[0:rows, :], data1=rel[0:rows, :], data2=counts[0:rows, :], op=nl.less)
+    nisa.scalar_tensor_tensor(dst=inside[0:rows, :], data=rel[0:rows, :], op0=nl.greater_equal, operand0=0.0,
+                              op1=nl.multiply, operand1=inside[0:rows, :])
+    # target + 1 = j * slot_rows + rel + 1, plus a whole layout more where rel >= slot_rows (overflow).
+    target = nl.ndarray((P, ep), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(target, pattern=[[slot_rows, ep]], offset=1, channel_multiplier=0)
+    nisa.tensor_tensor(dst=target[0:rows, :], data1=target[0:rows, :], data2=rel[0:rows, :], op=nl.add)
+    over = nl.ndarray((P, ep), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=over[0:rows, :], data=rel[0:rows, :], op0=nl.greater_equal, operand0=float(slot_rows),
+                       op1=nl.multiply, operand1=float(ep * slot_rows))
+    nisa.tensor_tensor(dst=target[0:rows, :], data1=target[0:rows, :], data2=over[0:rows, :], op=nl.add)
+    nisa.tensor_tensor(dst=target[0:rows, :], data1=target[0:rows, :], data2=inside[0:rows, :], op=nl.multiply)
+    picked = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=picked[0:rows, :], op=nl.add, data=target[0:rows, :], axis=1, keepdims=True)
+    index = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=index[0:rows, :], data=picked[0:rows, :], op0=nl.subtract, operand0=1.0)
+    return index
+
+
+def _compact(out, slots, slot_rows, starts, counts):
+    """out[r] = slots[j * slot_rows + r - starts[j]] for every row r of source j's segment; zero rows
+    past the segments. Gathers only the rows out holds (none of a slot's unused tail)."""
+    capacity, hidden = out.shape
+    for r0 in nl.static_range(0, capacity, P):
+        rows = min(P, capacity - r0)
+        source = _slot_rows(r0, rows, starts, counts, slot_rows)
+        for h0 in nl.static_range(0, hidden, H_TILE):
+            width = min(H_TILE, hidden - h0)
+            moved = nl.ndarray((P, H_TILE), dtype=out.dtype, buffer=nl.sbuf)
+            _zero(moved[0:rows, 0:width])
+            nisa.dma_copy(dst=moved[0:rows, 0:width],
+                          src=slots.ap([[hidden, rows], [1, width]], offset=h0, vector_offset=source[0:rows, :],
+                                       indirect_dim=0),
+                          oob_mode=nisa.oob_mode.skip)
+            nisa.dma_copy(dst=out[r0:r0 + rows, h0:h0 + width], src=moved[0:rows, 0:width])
+
+
+def _spread(slots, rows_in, num_rows, slot_rows, starts, counts):
+    """slots[j * slot_rows + r - starts[j]] = rows_in[r] for the packed rows r < num_rows of segment j
+    (the inverse of _compact). A segment longer than slot_rows is an out-of-bounds error."""
+    hidden = rows_in.shape[1]
+    for r0 in nl.static_range(0, num_rows, P):
+        rows = min(P, num_rows - r0)
+        target = _slot_rows(r0, rows, starts, counts, slot_rows)
+        for h0 in nl.static_range(0, hidden, H_TILE):
+            width = min(H_TILE, hidden - h0)
+            moved = nl.ndarray((P, H_TILE), dtype=rows_in.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=moved[0:rows, 0:width], src=rows_in[r0:r0 + rows, h0:h0 + width])
+            nisa.dma_copy(dst=slots.ap([[hidden, rows], [1, width]], offset=h0, vector_offset=target[0:rows, :],
+                                       indirect_dim=0),
+                          src=moved[0:rows, 0:width], oob_mode=nisa.oob_mode.skip)
+
+
+def _check_fits(total, capacity):
+    """Fail on the device when more than `capacity` rows arrived: a one-element indirect read whose
+    index is max(total - capacity, 0) leaves a one-row tensor unless the rows fit (oob_mode.error)."""
+    excess = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=excess, data=total, op0=nl.subtract, operand0=float(capacity), op1=nl.maximum, operand1=0.0)
+    guard = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.hbm)
+    nisa.dma_copy(dst=guard, src=excess)
+    probe = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=probe, src=guard.ap([[1, 1], [1, 1]], offset=0, vector_offset=excess, indirect_dim=0))
+
+
+def _row_total(counts):
+    """[1, 1] fp32 tile: the sum of a [1, EP] row of counts."""
+    total = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=total, op=nl.add, data=counts, axis=1, keepdims=True)
+    return total
+
+
+def _copy_rows(dst, src):
+    """dst[0:R] = src (HBM [R, H] -> HBM), through SBUF tiles."""
+    num_rows, hidden = src.shape
+    for r0 in nl.static_range(0, num_rows, P):
+        rows = min(P, num_rows - r0)
+        for h0 in nl.static_range(0, hidden, H_TILE):
+            width = min(H_TILE, hidden - h0)
+            moved = nl.ndarray((P, H_TILE), dtype=src.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=moved[0:rows, 0:width], src=src[r0:r0 + rows, h0:h0 + width])
+            nisa.dma_copy(dst=dst[r0:r0 + rows, h0:h0 + width], src=moved[0:rows, 0:width])
+
+
 def _zero_rows(dst):
     """Write zeros to every row of an HBM [M, H] tensor."""
     num_rows, hidden = dst.shape
     zeros = nl.ndarray((P, H_TILE), dtype=dst.dtype, buffer=nl.sbuf)
-    nisa.memset(zeros, value=0.0)
+    _zero(zeros)
     for r0 in nl.static_range(0, num_rows, P):
         rows = min(P, num_rows - r0)
         for h0 in nl.static_range(0, hidden, H_TILE):
@@ -72,71 +269,167 @@ def _zero_rows(dst):
             nisa.dma_copy(dst=dst[r0:r0 + rows, h0:h0 + width], src=zeros[0:rows, 0:width])
 
 
-@nki.jit
-def permute_a2av_kernel(hidden_states, packed_source_indices, send_counts, recv_capacity, replica_group):
-    """Dispatch routed rows to their expert-parallel ranks through ncc.all_to_all_v.
+def _exchange(send, out, slot_rows, out_f, in_f, metadata, replica_group, exchange):
+    """Move every rank's packed `send` rows (segment j for rank j, sizes out_f) into `out`, source-major
+    packed (segment sizes in_f), by the generation's exchange. out rows past the segments are zero."""
+    hidden = send.shape[1]
+    ep = out_f.shape[1]
+    capacity = out.shape[0]
+    if exchange == "a2av_packed":
+        _zero_rows(out)
+        ncc.all_to_all_v(srcs=[send], dsts=[out], replica_group=replica_group, metadata_tensor=metadata,
+                         recv_counts_known=True, has_rdispls=True)
+        return
+    in_starts = _on_every_partition(_exclusive_scan(in_f))
+    in_counts = _on_every_partition(in_f)
+    slots = nl.ndarray((ep * slot_rows, hidden), dtype=send.dtype, buffer=nl.shared_hbm)
+    if exchange == "a2av_slots":
+        # Source j's segment lands at slot j (dst size / EP = slot_rows rows); the send buffer is one slot.
+        ncc.all_to_all_v(srcs=[send], dsts=[slots], replica_group=replica_group, metadata_tensor=metadata,
+                         recv_counts_known=True, has_rdispls=False)
+    else:
+        # all_to_all moves equal chunks: segment j goes to chunk j of a slotted send buffer first.
+        spread = nl.ndarray((ep * slot_rows, hidden), dtype=send.dtype, buffer=nl.shared_hbm)
+        _zero_rows(spread)
+        out_starts = _on_every_partition(_exclusive_scan(out_f))
+        _spread(spread, send, send.shape[0], slot_rows, out_starts, _on_every_partition(out_f))
+        ncc.all_to_all(srcs=[spread], dsts=[slots], replica_group=replica_group, collective_dim=0)
+    _check_fits(_row_total(in_f), capacity)
+    _compact(out, slots, slot_rows, in_starts, in_counts)
 
-    hidden_states [N, H] rows; packed_source_indices int32 [N], the source row of each packed row,
-    destination-major: rows [sum(send_counts[:d]), sum(send_counts[:d + 1])) go to rank d of the
-    replica group's rank-list; send_counts int32/uint32 [1, EP] rows per destination, summing to N;
-    recv_capacity: static rows of the receive buffer; replica_group: the EP ncc.ReplicaGroup.
 
-    Returns (recv [recv_capacity, H]: the rows every source rank sent here, source-major, each
-    source's rows in its packed order, then zero rows; metadata uint32 [4, EP]: send counts, send
-    displacements, receive counts, receive displacements, all in elements).
-    """
-    num_rows, hidden = hidden_states.shape
-    ep = send_counts.shape[1]
-    widest = max(num_rows, recv_capacity)
+def _check_sizes(num_rows, capacity, hidden, ep, slot_rows):
+    widest = max(num_rows, capacity)
     if widest * hidden > A2AV_MAX_ELEMENTS:
         raise ValueError(f"{widest} rows of {hidden} elements do not fit uint32 all_to_all_v metadata")
     if widest * _odd_part(hidden)[0] >= MAX_EXACT:
-        raise ValueError(f"permute_a2av computes row counts times the odd part of H={hidden} exactly below {MAX_EXACT}")
+        raise ValueError(f"a2av kernels compute row counts times the odd part of H={hidden} exactly below {MAX_EXACT}")
+    if 2 * ep * slot_rows + 1 >= MAX_EXACT:
+        raise ValueError(f"{ep} slots of {slot_rows} rows: slot row indices must stay below {MAX_EXACT // 2}")
 
-    # Receive counts: one all-to-all of one count per peer tells each rank what arrives from whom.
-    counts_in = nl.ndarray((1, ep), dtype=send_counts.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=counts_in, src=send_counts)
-    counts_u = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=counts_u, src=counts_in)
-    count_send = nl.ndarray((ep, 1), dtype=nl.uint32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=count_send.ap([[ep, 1], [1, ep]], offset=0), src=counts_u)
-    count_recv = nl.ndarray((ep, 1), dtype=nl.uint32, buffer=nl.shared_hbm)
-    ncc.all_to_all(srcs=[count_send], dsts=[count_recv], replica_group=replica_group, collective_dim=0)
-    recv_u = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=recv_u, src=count_recv.ap([[ep, 1], [1, ep]], offset=0))
 
-    # Pack: send row i = hidden_states[packed_source_indices[i]]; an index outside [0, N) is an error.
-    send_rows = nl.ndarray((num_rows, hidden), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
+def _gather_packed(send, hidden_states, packed_source_indices, num_rows):
+    """send[i] = hidden_states[packed_source_indices[i]] for i < num_rows; an index outside [0, N) is an error."""
+    hidden = hidden_states.shape[1]
     for r0 in nl.static_range(0, num_rows, P):
         rows = min(P, num_rows - r0)
         source = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=source[0:rows, :], src=packed_source_indices.ap([[1, rows], [1, 1]], offset=r0))
+        nisa.dma_copy(dst=source[0:rows, :], src=packed_source_indices[r0:r0 + rows])
         for h0 in nl.static_range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=hidden_states.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=moved[0:rows, 0:width],
                           src=hidden_states.ap([[hidden, rows], [1, width]], offset=h0,
                                                vector_offset=source[0:rows, :], indirect_dim=0))
-            nisa.dma_copy(dst=send_rows[r0:r0 + rows, h0:h0 + width], src=moved[0:rows, 0:width])
+            nisa.dma_copy(dst=send[r0:r0 + rows, h0:h0 + width], src=moved[0:rows, 0:width])
 
-    # Metadata in elements: packed send segments, and receive segments packed source-major.
-    send_f = nl.ndarray((1, ep), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=send_f, src=counts_u)
-    recv_f = nl.ndarray((1, ep), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=recv_f, src=recv_u)
-    metadata = nl.ndarray((4, ep), dtype=nl.uint32, buffer=nl.shared_hbm)
-    _store_elements(metadata[0:1, :], send_f, hidden)
-    _store_elements(metadata[1:2, :], _exclusive_scan(send_f), hidden)
-    _store_elements(metadata[2:3, :], recv_f, hidden)
-    _store_elements(metadata[3:4, :], _exclusive_scan(recv_f), hidden)
 
-    # Rows past what arrives stay zero: deterministic padding.
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+@nki.jit
+def permute_a2av_kernel(hidden_states, packed_source_indices, send_counts, recv_capacity, replica_group,
+                        generation="trn2"):
+    """Dispatch routed rows to their expert-parallel ranks.
+
+    hidden_states [N, H] rows; packed_source_indices int32 [N], the source row of each packed row,
+    destination-major: rows [sum(send_counts[:d]), sum(send_counts[:d + 1])) go to rank d of the
+    replica group's rank-list; send_counts int32/uint32 [1, EP] rows per destination, summing to N;
+    recv_capacity: static rows of the receive buffer (equal on every rank); replica_group: the EP
+    ncc.ReplicaGroup; generation: "trn2" or "trn3" (static), which picks the exchange (module doc).
+
+    Returns (recv [recv_capacity, H]: the rows every source rank sent here, source-major, each
+    source's rows in its packed order, then zero rows; metadata uint32 [4, EP]: send counts, send
+    displacements, receive counts, receive displacements of that packed layout, all in elements).
+    More rows arriving than recv_capacity is an error.
+    """
+    num_rows, hidden = hidden_states.shape
+    ep = send_counts.shape[1]
+    exchange = exchange_for(replica_group, generation)
+    slot_rows = recv_capacity if exchange == "a2a_slots" else max(num_rows, recv_capacity)
+    _check_sizes(num_rows, recv_capacity, hidden, ep, slot_rows)
+
+    send_f, recv_f = _exchange_counts(send_counts, replica_group)
+    metadata = _metadata(send_f, recv_f, hidden)
+    # The packed send buffer; with receive slots it is one slot long (dst = EP x src).
+    send_rows = max(num_rows, slot_rows) if exchange == "a2av_slots" else num_rows
+    send = nl.ndarray((send_rows, hidden), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
+    _gather_packed(send, hidden_states, packed_source_indices, num_rows)
     recv = nl.ndarray((recv_capacity, hidden), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
-    _zero_rows(recv)
-    ncc.all_to_all_v(srcs=[send_rows], dsts=[recv], replica_group=replica_group, metadata_tensor=metadata,
-                     recv_counts_known=True, has_rdispls=True)
+    _exchange(send, recv, slot_rows, send_f, recv_f, metadata, replica_group, exchange)
     return recv, metadata
 
+
+@nki.jit
+def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, merging_probs, replica_group,
+                          generation="trn2"):
+    """Combine: return expert outputs to the ranks that dispatched them and merge each token's rows.
+
+    expert_output [C, H]: one output row per row of permute_a2av's receive buffer, in its order
+    (rows past what arrived are ignored); packed_source_indices int32 [N] and send_counts [1, EP]:
+    the dispatch's inputs on this rank; merging_probs fp32 [T, k] with N = T * k: routed row
+    t * k + j is token t's slot j; replica_group, generation: as for the dispatch.
+
+    Returns out [T, H] in expert_output's dtype: out[t] = sum_j merging_probs[t, j] * (expert output
+    of routed row t * k + j), accumulated in fp32.
+    """
+    capacity, hidden = expert_output.shape
+    num_rows = packed_source_indices.shape[0]
+    num_tokens, top_k = merging_probs.shape
+    ep = send_counts.shape[1]
+    exchange = exchange_for(replica_group, generation)
+    slot_rows = capacity if exchange == "a2a_slots" else max(num_rows, capacity)
+    _check_sizes(num_rows, capacity, hidden, ep, slot_rows)
+
+    # What the dispatch sent to j comes back from j, and what it received from j goes back to j.
+    sent_f, held_f = _exchange_counts(send_counts, replica_group)
+    metadata = _metadata(sent_f, held_f, hidden, sends_back=True)
+    # Collective buffers are kernel-internal HBM: copy the expert outputs into the send buffer.
+    send = nl.ndarray((slot_rows if exchange == "a2av_slots" else capacity, hidden), dtype=expert_output.dtype,
+                      buffer=nl.shared_hbm)
+    _copy_rows(send, expert_output)
+    back = nl.ndarray((num_rows, hidden), dtype=expert_output.dtype, buffer=nl.shared_hbm)
+    _exchange(send, back, slot_rows, held_f, sent_f, metadata, replica_group, exchange)
+
+    # back[i] is the output for routed row packed_source_indices[i]: put it at that row, then merge.
+    by_row = nl.ndarray((num_rows, hidden), dtype=expert_output.dtype, buffer=nl.hbm)
+    for r0 in nl.static_range(0, num_rows, P):
+        rows = min(P, num_rows - r0)
+        where = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=where[0:rows, :], src=packed_source_indices[r0:r0 + rows])
+        for h0 in nl.static_range(0, hidden, H_TILE):
+            width = min(H_TILE, hidden - h0)
+            moved = nl.ndarray((P, H_TILE), dtype=expert_output.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=moved[0:rows, 0:width], src=back[r0:r0 + rows, h0:h0 + width])
+            nisa.dma_copy(dst=by_row.ap([[hidden, rows], [1, width]], offset=h0, vector_offset=where[0:rows, :],
+                                        indirect_dim=0), src=moved[0:rows, 0:width])
+
+    out = nl.ndarray((num_tokens, hidden), dtype=expert_output.dtype, buffer=nl.shared_hbm)
+    for t0 in nl.static_range(0, num_tokens, P):
+        rows = min(P, num_tokens - t0)
+        probs = nl.ndarray((P, top_k), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=probs[0:rows, :], src=merging_probs[t0:t0 + rows, :])
+        for h0 in nl.static_range(0, hidden, H_TILE):
+            width = min(H_TILE, hidden - h0)
+            total = nl.ndarray((P, H_TILE), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(total[0:rows, 0:width], value=0.0)
+            for j in nl.static_range(top_k):
+                # Token t's slot j is routed row t * k + j: rows t0 .. t0+rows-1, a stride of k rows.
+                row = nl.ndarray((P, H_TILE), dtype=expert_output.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=row[0:rows, 0:width],
+                              src=by_row.ap([[top_k * hidden, rows], [1, width]], offset=(t0 * top_k + j) * hidden + h0))
+                nisa.scalar_tensor_tensor(dst=total[0:rows, 0:width], data=row[0:rows, 0:width], op0=nl.multiply,
+                                          operand0=probs[0:rows, j:j + 1], op1=nl.add, operand1=total[0:rows, 0:width])
+            result = nl.ndarray((P, H_TILE), dtype=expert_output.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=result[0:rows, 0:width], src=total[0:rows, 0:width])
+            nisa.dma_copy(dst=out[t0:t0 + rows, h0:h0 + width], src=result[0:rows, 0:width])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Host functions: argument checks, then the kernels through nki.simulate
+# ---------------------------------------------------------------------------------------------
 
 def _array(x, what, shape, dtypes=None):
     """x as a contiguous NumPy array of the expected shape (None = any size) and dtype names, else TypeError/ValueError."""
@@ -150,23 +443,8 @@ def _array(x, what, shape, dtypes=None):
     return np.ascontiguousarray(x)
 
 
-def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacity, replica_group):
-    """Expert-parallel dispatch of this rank's rows; every rank of replica_group's rank-list calls it together.
-
-    hidden_states [N, H] NumPy rows of any NKI dtype (bfloat16 / fp8 as ml_dtypes arrays);
-    packed_source_indices integer [N] in [0, N), destination-major (rank d's rows are positions
-    [sum(send_counts[:d]), sum(send_counts[:d + 1]))); send_counts int32/uint32 [1, EP], non-negative,
-    summing to N; recv_capacity rows (>= 1) of the receive buffer, which must hold every row sent to
-    this rank; replica_group an ncc.ReplicaGroup of EP ranks.
-
-    Returns (recv [recv_capacity, H] in hidden_states' dtype: rows from rank 0, then rank 1, ..., then
-    zeros; metadata uint32 [4, EP]: send counts, send displacements, receive counts, receive
-    displacements, in elements, i.e. rows * H).
-    """
-    hidden_states = _array(hidden_states, "hidden_states", (None, None))
-    num_rows, hidden = hidden_states.shape
-    if hidden == 0:
-        raise ValueError("hidden_states must have at least one column")
+def _check_routing(packed_source_indices, send_counts, num_rows, replica_group, generation):
+    """The checked (packed_source_indices, send_counts) of a dispatch of num_rows rows."""
     if not isinstance(packed_source_indices, np.ndarray) or packed_source_indices.dtype.kind not in "iu":
         raise TypeError("packed_source_indices must be a NumPy integer array")
     packed_source_indices = _array(packed_source_indices, "packed_source_indices", (num_rows,))
@@ -178,11 +456,71 @@ def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacit
     if (send_counts.astype(np.int64) < 0).any():
         raise ValueError(f"send_counts must be non-negative, got {send_counts.tolist()}")
     if int(send_counts.astype(np.int64).sum()) != num_rows:
-        raise ValueError(f"send_counts {send_counts.tolist()} must sum to the {num_rows} rows of hidden_states")
+        raise ValueError(f"send_counts {send_counts.tolist()} must sum to the {num_rows} routed rows")
+    exchange_for(replica_group, generation)
+    sizes = {len(ranks) for ranks in _rank_lists(replica_group)}
+    if sizes != {send_counts.shape[1]}:
+        raise ValueError(f"send_counts has {send_counts.shape[1]} columns but the replica group's rank-lists hold "
+                         f"{sorted(sizes)} ranks: one column per rank of the rank-list")
+    return packed_source_indices.astype(np.int32), send_counts
+
+
+def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacity, replica_group, *, generation="trn2"):
+    """Expert-parallel dispatch of this rank's rows; every rank of replica_group's rank-list calls it together.
+
+    hidden_states [N, H] NumPy rows of any NKI dtype (bfloat16 / fp8 as ml_dtypes arrays);
+    packed_source_indices integer [N] in [0, N), destination-major (rank d's rows are positions
+    [sum(send_counts[:d]), sum(send_counts[:d + 1]))); send_counts int32/uint32 [1, EP], non-negative,
+    summing to N; recv_capacity rows (>= 1) of the receive buffer, equal on every rank, which must hold
+    every row sent to this rank; replica_group an ncc.ReplicaGroup of EP-rank lists; generation
+    "trn2" (default) or "trn3": the Trainium generation whose collectives the exchange uses.
+
+    Returns (recv [recv_capacity, H] in hidden_states' dtype: rows from rank 0, then rank 1, ..., then
+    zeros; metadata uint32 [4, EP]: send counts, send displacements, receive counts, receive
+    displacements, in elements, i.e. rows * H).
+    """
+    hidden_states = _array(hidden_states, "hidden_states", (None, None))
+    num_rows, hidden = hidden_states.shape
+    if hidden == 0:
+        raise ValueError("hidden_states must have at least one column")
+    packed_source_indices, send_counts = _check_routing(packed_source_indices, send_counts, num_rows, replica_group,
+                                                        generation)
     if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)) or recv_capacity < 1:
         raise ValueError(f"recv_capacity must be a positive int, got {recv_capacity!r}")
     if num_rows == 0:  # a rank with nothing to send still takes part in the exchange
         hidden_states = np.zeros((1, hidden), dtype=hidden_states.dtype)
         packed_source_indices = np.zeros(1, dtype=np.int32)
-    return nki.simulate(permute_a2av_kernel)(hidden_states, packed_source_indices.astype(np.int32), send_counts,
-                                             recv_capacity=int(recv_capacity), replica_group=replica_group)
+    return nki.simulate(permute_a2av_kernel)(hidden_states, packed_source_indices, send_counts,
+                                             recv_capacity=int(recv_capacity), replica_group=replica_group,
+                                             generation=generation)
+
+
+def unpermute_a2av(expert_output, packed_source_indices, send_counts, merging_probs, replica_group, *,
+                   generation="trn2"):
+    """Expert-parallel combine, the reverse of permute_a2av; every rank of the rank-list calls it together.
+
+    expert_output [C, H] NumPy rows (C = the dispatch's recv_capacity), one per row of this rank's
+    dispatch receive buffer, in that order; packed_source_indices and send_counts: this rank's
+    dispatch inputs; merging_probs float32 [T, k] with N = T * k routed rows (row t * k + j is token
+    t's slot j); replica_group, generation: as for the dispatch.
+
+    Returns [T, H] in expert_output's dtype: out[t] = sum_j merging_probs[t, j] * the expert output of
+    routed row t * k + j, accumulated in fp32.
+    """
+    expert_output = _array(expert_output, "expert_output", (None, None))
+    capacity, hidden = expert_output.shape
+    if hidden == 0 or capacity == 0:
+        raise ValueError(f"expert_output must have rows and columns, got {list(expert_output.shape)}")
+    merging_probs = _array(merging_probs, "merging_probs", (None, None), ("float32",))
+    num_tokens, top_k = merging_probs.shape
+    if top_k == 0:
+        raise ValueError("merging_probs must have one column per routed slot (k >= 1)")
+    packed_source_indices, send_counts = _check_routing(packed_source_indices, send_counts, num_tokens * top_k,
+                                                        replica_group, generation)
+    if num_tokens == 0:  # no tokens here: take part in the exchange with one dummy token, then drop it
+        out = nki.simulate(unpermute_a2av_kernel)(
+            expert_output, np.arange(top_k, dtype=np.int32), send_counts, np.zeros((1, top_k), np.float32),
+            replica_group=replica_group, generation=generation)
+        return out[:0]
+    return nki.simulate(unpermute_a2av_kernel)(expert_output, packed_source_indices, send_counts, merging_probs,
+                                               replica_group=replica_group, generation=generation)

@@ -1,10 +1,14 @@
-"""permute_a2av (permgen.nki_a2av), the NKI expert-parallel dispatch, on EP ranks of the emulator's
-multi-rank driver.
+"""permute_a2av / unpermute_a2av (permgen.nki_a2av), the NKI expert-parallel dispatch and combine,
+on EP ranks of the emulator's multi-rank driver, on both Trainium generations.
 
-Each rank packs its routed rows by destination rank and the ranks exchange them through
-ncc.all_to_all_v. The reference concatenates, on every rank, the segments each source rank sends
-it, in source order, then zero rows up to the capacity; metadata is checked to the element.
-(The real nki.simulate runs one rank, so these tests run on the emulator only.)
+Each rank packs its routed rows by destination rank and the ranks exchange them by the exchange
+each generation's documentation allows (trn2: all_to_all_v into receive slots, then a compaction;
+trn3: all_to_all_v with receive displacements over whole devices, all_to_all on slots for smaller
+groups); the emulator's Platform enforces the same restrictions. The reference concatenates, on
+every rank, the segments each source rank sends it, in source order, then zero rows up to the
+capacity; metadata is checked to the element. The combine's reference is the probability-weighted
+sum of each token's routed rows (identity experts). (The real nki.simulate runs one rank, so
+these tests run on the emulator only.)
 """
 
 from __future__ import annotations
@@ -18,14 +22,15 @@ import nki_emulator
 nki_emulator.install()
 
 from cases import bits, load, stable_seed, variants_for  # noqa: E402
-from nki_emulator import EmulatorError, jit, run_ranks  # noqa: E402
+from nki_emulator import EmulatorError, Platform, jit, run_ranks  # noqa: E402
 from nki_emulator.collectives import ReplicaGroup  # noqa: E402
 from permgen import contract, nki_a2av  # noqa: E402
-from permgen.nki_a2av import permute_a2av  # noqa: E402
+from permgen.nki_a2av import permute_a2av, unpermute_a2av  # noqa: E402
 from permgen.nki_host import from_kernel, to_kernel  # noqa: E402
 
 TORCH_DTYPES = {d: getattr(torch, n) for d, n in contract.TOKEN_DTYPE_NAMES.items()}
 DEEP = ["bf16", "fp32", "fp8_e4m3"]  # token dtypes the deep tests run (the kernel depends on no other axis)
+GENERATIONS = ["trn2", "trn3"]
 
 
 def make_rank_inputs(dtype, ep, seed, hidden=72, top_k=2, experts_per_rank=2, empty_rank=None, silent_pairs=()):
@@ -78,11 +83,11 @@ def reference(ranks, ep, hidden, capacity, group=None):
     return out
 
 
-def run_dispatch(ranks, capacity, group=None):
+def run_dispatch(ranks, capacity, group=None, generation="trn2", platform=None):
     ep = len(ranks)
     replica_group = ReplicaGroup(group or [list(range(ep))])
     args = [(to_kernel(rows), order.numpy(), counts.numpy(), capacity, replica_group) for rows, order, counts, _ in ranks]
-    return run_ranks(permute_a2av, args)
+    return run_ranks(permute_a2av, args, [dict(generation=generation)] * ep, platform=platform or Platform(generation))
 
 
 def check(results, want, hidden):
@@ -97,19 +102,28 @@ def check(results, want, hidden):
         assert not bits(got)[received:].any()
 
 
-@pytest.mark.parametrize("dtype", DEEP)
-@pytest.mark.parametrize("ep", [2, 4])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_permute_a2av_matches_reference(dtype, ep, seed):
-    # Uneven counts including zeros: one rank without tokens (seed 1), a source that skips a peer (seed 2).
-    empty = 1 if seed == 1 else None
-    silent = [(0, ep - 1), (ep - 1, 0)] if seed == 2 else []
-    ranks, capacity = make_rank_inputs(dtype, ep, stable_seed(dtype, ep, seed), empty_rank=empty,
+def busiest(ranks, ep, hidden=72):
+    """Rows the busiest rank receives: the tightest capacity that holds every send."""
+    return max(received for *_, received in reference(ranks, ep, hidden, 10 ** 5).values())
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("ep", [2, 4, 8])
+@pytest.mark.parametrize("sends", ["uneven", "empty", "full"])
+def test_permute_a2av_matches_reference(generation, ep, sends):
+    """uneven: random counts per peer; empty: one rank without tokens and sources that skip a peer;
+    full: the capacity is exactly the busiest rank's receive count (its buffer ends with no padding)."""
+    dtype = DEEP[0]
+    empty = 1 if sends == "empty" else None
+    silent = [(0, ep - 1), (ep - 1, 0)] if sends == "empty" else []
+    ranks, capacity = make_rank_inputs(dtype, ep, stable_seed(generation, ep, sends), hidden=72, empty_rank=empty,
                                        silent_pairs=silent)
+    if sends == "full":
+        capacity = busiest(ranks, ep)
     want = reference(ranks, ep, 72, capacity)
     if silent:
         assert want[ep - 1][1][2, 0] == 0 and want[0][1][2, ep - 1] == 0
-    check(run_dispatch(ranks, capacity), want, 72)
+    check(run_dispatch(ranks, capacity, generation=generation), want, 72)
 
 
 @pytest.mark.parametrize("dtype", contract.DTYPES)
@@ -118,18 +132,95 @@ def test_every_token_dtype_dispatches(dtype):
     check(run_dispatch(ranks, capacity), reference(ranks, 2, 40, capacity), 40)
 
 
+def test_receive_displacements_fail_on_one_trn2_instance():
+    """The trn3 exchange (all_to_all_v with has_rdispls=True) on a Trainium2 instance is what the
+    documentation rules out: receive displacements only on inter-node rank-lists there."""
+    ranks, capacity = make_rank_inputs(DEEP[0], 8, 21, hidden=16)
+    with pytest.raises(EmulatorError, match="inter-node rank-list"):
+        run_dispatch(ranks, capacity, generation="trn3", platform=Platform("trn2"))
+    # On eight instances (one rank each) the same rank-list is inter-node, and it runs.
+    check(run_dispatch(ranks, capacity, generation="trn3", platform=Platform("trn2", ranks_per_node=1)),
+          reference(ranks, 8, 16, capacity), 16)
+    # The trn2 exchange uses all_to_all_v, which a NeuronSwitch rejects within one device.
+    small, capacity = make_rank_inputs(DEEP[0], 4, 22, hidden=16)
+    with pytest.raises(EmulatorError, match="more than one participating device"):
+        run_dispatch(small, capacity, generation="trn2", platform=Platform("trn3"))
+
+
+# --- combine -----------------------------------------------------------------------------------
+def make_combine_inputs(dtype, ep, seed, hidden=48, top_k=2, empty_rank=None):
+    """Per rank: distinct routed rows (token t's slot j is row t * k + j), their destination-major
+    packing and counts, and fp32 merging probs [T, k]."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = []
+    for r in range(ep):
+        num_tokens = 0 if r == empty_rank else int(torch.randint(1, 40, (1,), generator=gen))
+        dest = torch.randint(0, ep, (num_tokens * top_k,), generator=gen)
+        rows = (torch.randn(num_tokens * top_k, hidden, generator=gen) * 4).to(TORCH_DTYPES[dtype])
+        order = torch.sort(dest, stable=True).indices.to(torch.int32)
+        counts = torch.bincount(dest, minlength=ep).to(torch.int32)[None]
+        probs = torch.rand(num_tokens, top_k, generator=gen)
+        ranks.append((rows, order, counts, probs))
+    capacity = max(1, sum(r[0].shape[0] for r in ranks))
+    return ranks, capacity
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_dispatch_identity_experts_combine_returns_the_weighted_rows(generation, ep):
+    """dispatch -> identity experts -> combine: every token gets sum_j p[t, j] * its routed row j back,
+    on its own rank (the rows of a token differ, so a row returned to the wrong slot shows)."""
+    dtype = "bf16"
+    ranks, capacity = make_combine_inputs(dtype, ep, stable_seed("combine", generation, ep), empty_rank=ep - 1)
+    replica_group = ReplicaGroup([list(range(ep))])
+
+    def rank(rows, order, counts, probs):
+        recv, _ = permute_a2av(to_kernel(rows), order.numpy(), counts.numpy(), capacity, replica_group,
+                               generation=generation)
+        return unpermute_a2av(recv, order.numpy(), counts.numpy(), probs.numpy(), replica_group, generation=generation)
+
+    results = run_ranks(rank, ranks, platform=Platform(generation))
+    for r, ((rows, _, _, probs), got) in enumerate(zip(ranks, results)):
+        num_tokens, top_k = probs.shape
+        slots = rows.float().reshape(num_tokens, top_k, rows.shape[1])
+        want = torch.zeros(num_tokens, rows.shape[1])
+        for j in range(top_k):  # the kernel's order: fp32 multiply-adds, slot by slot
+            want = slots[:, j] * probs[:, j:j + 1] + want
+        got = from_kernel(got)
+        assert got.shape == (num_tokens, rows.shape[1]), f"rank {r}"
+        torch.testing.assert_close(got.float(), want.to(TORCH_DTYPES[dtype]).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_combine_checks_its_arguments():
+    ranks, capacity = make_combine_inputs("fp32", 2, 31)
+    rows, order, counts, probs = ranks[0]
+    group = ReplicaGroup([[0, 1]])
+    expert_output = np.zeros((capacity, rows.shape[1]), np.float32)
+    with pytest.raises(ValueError, match=r"packed_source_indices must have shape \["):
+        unpermute_a2av(expert_output, order.numpy(), counts.numpy(), probs.numpy()[:-1], group)
+    with pytest.raises(ValueError, match="must sum to"):
+        unpermute_a2av(expert_output, order.numpy(), counts.numpy() * 2, probs.numpy(), group)
+    with pytest.raises(TypeError, match="float32"):
+        unpermute_a2av(expert_output, order.numpy(), counts.numpy(), probs.numpy().astype(np.float16), group)
+    with pytest.raises(ValueError, match="generation must be one of"):
+        unpermute_a2av(expert_output, order.numpy(), counts.numpy(), probs.numpy(), group, generation="trn1")
+    with pytest.raises(ValueError, match="one column per rank of the rank-list"):
+        unpermute_a2av(expert_output, order.numpy(), counts.numpy(), probs.numpy(), ReplicaGroup([[0, 1, 2]]))
+
+
 @pytest.mark.parametrize("name", variants_for("nki"))
 def test_generated_modules_reexport_the_one_kernel(name):
     assert load("nki", name).permute_a2av is permute_a2av
 
 
-def test_exact_capacity_and_hidden_tiles(monkeypatch):
-    """Capacity equal to the busiest rank's rows; H split across SBUF tiles with a partial last one."""
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_exact_capacity_and_hidden_tiles(monkeypatch, generation):
+    """Capacity equal to the busiest rank's rows; H split across SBUF tiles with a partial last one;
+    more than one 128-row tile per rank."""
     monkeypatch.setattr(nki_a2av, "H_TILE", 64)
     ranks, _ = make_rank_inputs(DEEP[0], 4, 11, hidden=200, top_k=3)
-    loose = reference(ranks, 4, 200, 10 ** 4)
-    capacity = max(received for *_, received in loose.values())
-    check(run_dispatch(ranks, capacity), reference(ranks, 4, 200, capacity), 200)
+    capacity = busiest(ranks, 4, 200)
+    check(run_dispatch(ranks, capacity, generation=generation), reference(ranks, 4, 200, capacity), 200)
 
 
 def test_strided_rank_lists():
@@ -147,11 +238,13 @@ def test_strided_rank_lists():
     check(run_dispatch(rerouted, capacity, group), reference(rerouted, 4, 72, capacity, group), 72)
 
 
-def test_receive_capacity_overflow_is_an_error():
-    ranks, _ = make_rank_inputs(DEEP[0], 2, 3)
-    busiest = max(received for *_, received in reference(ranks, 2, 72, 10 ** 4).values())
-    with pytest.raises(EmulatorError, match="receive capacity exceeded"):
-        run_dispatch(ranks, busiest - 1)
+@pytest.mark.parametrize("generation,ep", [("trn2", 2), ("trn3", 2), ("trn3", 8)])
+def test_receive_capacity_overflow_is_an_error(generation, ep):
+    """One row more than the capacity fails on the device: in the collective (receive displacements)
+    or in the capacity check before the compaction (receive slots)."""
+    ranks, _ = make_rank_inputs(DEEP[0], ep, 3, hidden=16)
+    with pytest.raises(EmulatorError, match="receive capacity exceeded|out of bounds"):
+        run_dispatch(ranks, busiest(ranks, ep, 16) - 1, generation=generation)
 
 
 def test_bad_counts_and_indices():
@@ -175,13 +268,18 @@ def test_bad_counts_and_indices():
         permute_a2av(args[0], args[1], args[2].astype(np.int64), capacity, group)
     with pytest.raises(ValueError, match="recv_capacity"):
         permute_a2av(args[0], args[1], args[2], 0, group)
+    with pytest.raises(ValueError, match="generation must be one of"):
+        permute_a2av(*args, generation="inf2")
 
-    # Past the host checks, the kernel itself is strict: counts beyond the rows, indices out of range.
+    # Past the host checks, the kernel itself is strict: counts beyond the send buffer (one receive
+    # slot: max(N, capacity) rows), indices out of range.
     kernel = nki_a2av.permute_a2av_kernel
     other = ranks[1]
     peer = (to_kernel(other[0]), other[1].numpy(), other[2].numpy(), capacity, group)
+    beyond = counts.numpy().copy()
+    beyond[0, 0] += max(rows.shape[0], capacity)
     with pytest.raises(EmulatorError, match="past the end of its"):
-        run_ranks(kernel, [(args[0], args[1], bad, capacity, group), peer])
+        run_ranks(kernel, [(args[0], args[1], beyond, capacity, group), peer])
     with pytest.raises(EmulatorError, match="out of bounds"):
         run_ranks(kernel, [(args[0], out_of_range, args[2], capacity, group), peer])
 

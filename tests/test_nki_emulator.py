@@ -169,20 +169,57 @@ def test_indirect_scatter_skips_out_of_bounds_lanes():
     np.testing.assert_array_equal(out, [7.0, 0.0, 0.0, 5.0])
 
 
-def test_dma_does_not_convert_or_reshape():
-    def body(a):
+def test_dma_converts_and_needs_equal_element_counts():
+    """nki.isa.dma_copy: a cast happens when the dtypes differ; the two sides need equal element
+    counts, not equal shapes (a direct copy moves elements in row-major order)."""
+    def converts(a):
         tile = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=a)
-        return copy_through_sbuf(a)
-    with pytest.raises(EmulatorError, match="does not convert"):
-        run(body, np.zeros((2, 2), np.float32))
+        out = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    a = np.array([[1.00390625, 2.5]], np.float32)
+    np.testing.assert_array_equal(run(converts, a), a.astype(ml_dtypes.bfloat16))
 
-    def body2(a):
-        tile = nl.ndarray((4, 1), dtype=a.dtype, buffer=nl.sbuf)
+    def reshapes(a, rows):
+        tile = nl.ndarray((rows, 1), dtype=a.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=a)
-        return copy_through_sbuf(a)
-    with pytest.raises(EmulatorError, match="shapes differ"):
-        run(body2, np.zeros((2, 2), np.float32))
+        out = nl.ndarray((rows, 1), dtype=a.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    a = np.arange(4, dtype=np.float32).reshape(2, 2)
+    np.testing.assert_array_equal(run(lambda a: reshapes(a, 4), a)[:, 0], [0, 1, 2, 3])
+    with pytest.raises(EmulatorError, match="element counts differ"):
+        run(lambda a: reshapes(a, 3), a)
+
+
+def test_indirect_rows_move_by_the_tensor_row_stride():
+    """The indexed dimension of an indirect access pattern moves by the base tensor's row stride, not
+    by the pattern's step: indices [1, 2] on an [R, 8] tensor read elements 8.. and 16.., as on the
+    hardware (the emulator used to read 4.. and 8..)."""
+    def body(a, idx):
+        where = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=where, src=idx)
+        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=where, indirect_dim=0))
+        out = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    a = np.arange(24, dtype=np.float32).reshape(3, 8)
+    np.testing.assert_array_equal(run(body, a, np.array([[1], [2]], np.int32)), a[1:3, 0:4])
+
+
+def test_view_zeroes_fp8_through_integers():
+    def body(a):
+        tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        nisa.memset(tile.view(nl.uint8), value=0)
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    got = run(body, np.ones((2, 3), ml_dtypes.float8_e4m3fn))
+    assert got.dtype == np.dtype(ml_dtypes.float8_e4m3fn) and not got.view(np.uint8).any()
+    with pytest.raises(EmulatorError, match="does not split"):
+        run(lambda a: [nl.ndarray((2, 3), dtype=nl.uint8, buffer=nl.sbuf).view(nl.uint16)], np.zeros((1, 1), np.uint8))
 
 
 def test_vector_offset_rules():
@@ -192,6 +229,18 @@ def test_vector_offset_rules():
         return copy_through_sbuf(a)
     with pytest.raises(EmulatorError, match="vector_offset must be an SBUF tile"):
         run(body, np.zeros((3, 4), np.float32), np.zeros((2, 1), np.int32))
+
+    def indexes_sbuf(a):
+        """The indexed tensor must be in HBM (DGE gathers/scatters HBM rows with SBUF indices)."""
+        idx = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(idx, value=0)
+        rows = nl.ndarray((3, 4), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=a)
+        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=rows.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=0))
+        return copy_through_sbuf(a)
+    with pytest.raises(EmulatorError, match="vector_offset indexes HBM tensors only"):
+        run(indexes_sbuf, np.zeros((3, 4), np.float32))
 
 
 def test_slices_stay_in_bounds():
@@ -243,6 +292,17 @@ def test_matmul_layout_and_dtype_rules():
         run(lambda a, b: body(a, b, psum_dtype=nl.bfloat16), a, b)
     with pytest.raises(EmulatorError, match="stationary dtype int32"):
         run(body, a.astype(np.int32), b)
+    # fp32 pairs only with fp32; bf16 x bf16 is fine.
+    with pytest.raises(EmulatorError, match="fp32 pairs only with fp32"):
+        run(body, a, b.astype(ml_dtypes.bfloat16))
+    bf_a, bf_b = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+    np.testing.assert_allclose(run(body, bf_a, bf_b), bf_a.astype(np.float32).T @ bf_b.astype(np.float32), rtol=1e-5)
+    # float8_e4m3fn is a NeuronCore-v4 (Trainium3) Tensor Engine format.
+    f8_a, f8_b = a.astype(ml_dtypes.float8_e4m3fn), b.astype(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(EmulatorError, match="NeuronCore-v4 format"):
+        run(body, f8_a, f8_b)
+    with nki_emulator.on(nki_emulator.Platform("trn3")):
+        np.testing.assert_allclose(run(body, f8_a, f8_b), f8_a.astype(np.float32).T @ f8_b.astype(np.float32), rtol=1e-5)
     with pytest.raises(EmulatorError, match="free sizes"):
         run(lambda a, b: body(a, b, dst_shape=(2, 4)), np.zeros((2, 129), np.float32), np.zeros((2, 4), np.float32))
 
@@ -255,6 +315,22 @@ def test_bitvec_operators_need_integers():
         return copy_through_sbuf(a)
     with pytest.raises(EmulatorError, match="bitvec"):
         run(body, np.zeros((2, 2), np.float32))
+
+
+def test_arithmetic_scalar_operands_are_floats():
+    """Arithmetic operators take float scalars (tensor_scalar / scalar_tensor_tensor: `operand0: float |
+    NkiTensor`); integer scalars go with bitvec operators."""
+    def body(a, operand):
+        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=operand)
+        out = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    a = np.zeros((2, 2), np.float32)
+    with pytest.raises(EmulatorError, match="integer scalar for the arithmetic operator"):
+        run(lambda a: body(a, 1), a)
+    np.testing.assert_array_equal(run(lambda a: body(a, 1.0), a), a + 1)
 
 
 def test_engine_semantics():
@@ -334,6 +410,9 @@ def test_all_to_all_splits_and_concatenates_dim0():
     assert got[1] == [2, 3, 12, 13, 22, 23]  # chunk 1 of every source, in source order
 
 
+INTER_NODE = nki_emulator.Platform("trn2", ranks_per_node=1)  # every rank on its own instance
+
+
 def _a2av_rank(me, send, recv_size, meta_rows, **flags):
     """Rank `me` sends send[me][d] elements to rank d, packed; returns (dst, metadata) arrays."""
     counts = np.array(send[me])
@@ -352,7 +431,7 @@ def test_all_to_all_v_explicit_and_implicit_receive_layouts():
     recv_counts = [[1, 3], [2, 0]]
     recv_displs = [[0, 1], [0, 2]]
     got = run_ranks(_a2av_rank, [(r, send, 5, [recv_counts, recv_displs]) for r in range(2)],
-                    [dict(recv_counts_known=True, has_rdispls=True)] * 2)
+                    [dict(recv_counts_known=True, has_rdispls=True)] * 2, platform=INTER_NODE)
     assert got[0][0] == [100, 200, 201, 202, -1] and got[1][0] == [101, 102, -1, -1, -1]
     # No receive displacements: slot j starts at j * size / EP; unknown receive counts are written to row 2.
     got = run_ranks(_a2av_rank, [(r, send, 6, [[[0, 0], [0, 0]]]) for r in range(2)])
@@ -363,14 +442,63 @@ def test_all_to_all_v_explicit_and_implicit_receive_layouts():
 def test_all_to_all_v_is_strict():
     send = [[1, 2], [3, 0]]
     flags = [dict(recv_counts_known=True, has_rdispls=True)] * 2
-    with pytest.raises(EmulatorError, match="disagree"):
-        run_ranks(_a2av_rank, [(r, send, 5, [[[1, 2], [2, 0]], [[0, 1], [0, 2]]]) for r in range(2)], flags)
     with pytest.raises(EmulatorError, match="receive capacity exceeded"):
-        run_ranks(_a2av_rank, [(r, send, 3, [[[1, 3], [2, 0]], [[0, 1], [0, 2]]]) for r in range(2)], flags)
+        run_ranks(_a2av_rank, [(r, send, 3, [[[1, 3], [2, 0]], [[0, 1], [0, 2]]]) for r in range(2)], flags,
+                  platform=INTER_NODE)
     with pytest.raises(EmulatorError, match="overlap"):
-        run_ranks(_a2av_rank, [(r, send, 5, [[[1, 3], [2, 0]], [[0, 0], [0, 2]]]) for r in range(2)], flags)
+        run_ranks(_a2av_rank, [(r, send, 5, [[[1, 3], [2, 0]], [[0, 0], [0, 2]]]) for r in range(2)], flags,
+                  platform=INTER_NODE)
     with pytest.raises(EmulatorError, match="receive capacity exceeded.*slot"):
         run_ranks(_a2av_rank, [(r, send, 4, [[[0, 0], [0, 0]]]) for r in range(2)])
+
+
+def test_all_to_all_v_never_reads_receive_counts():
+    """Metadata row 2 is output only: with recv_counts_known=True it is left as the kernel wrote it
+    (even when wrong), otherwise the runtime writes what arrived (all_to_all_v, 2.33: metadata rows)."""
+    send = [[1, 2], [3, 0]]
+    wrong = [[7, 7], [7, 7]]
+    got = run_ranks(_a2av_rank, [(r, send, 6, [wrong]) for r in range(2)], [dict(recv_counts_known=True)] * 2)
+    assert got[0][0] == [100, -1, -1, 200, 201, 202] and got[0][1][2] == [7, 7]
+    got = run_ranks(_a2av_rank, [(r, send, 6, [wrong]) for r in range(2)])
+    assert got[0][1][2] == [1, 3] and got[1][1][2] == [2, 0]
+
+
+def _a2av_ranks(world, groups, platform, has_rdispls):
+    """Every rank of a `world`-rank run sends one element to each peer of its rank-list."""
+    group = ncc.ReplicaGroup(groups)
+
+    def rank(me):
+        size = len(group.rank_list(me))
+        src = _hbm(np.full(size, float(me), np.float32))
+        dst = _hbm(np.full(size, -1.0, np.float32))
+        meta = _hbm(np.zeros((4, size), np.uint32))
+        meta.array[0], meta.array[1], meta.array[3] = 1, np.arange(size), np.arange(size)
+        ncc.all_to_all_v(srcs=[src], dsts=[dst], replica_group=group, metadata_tensor=meta, has_rdispls=has_rdispls)
+        return dst.array.tolist()
+    return run_ranks(rank, [(r,) for r in range(world)], platform=platform)
+
+
+def test_all_to_all_v_follows_each_generations_restrictions():
+    """nki.collectives.all_to_all_v (2.33), "Current restrictions": on Trn2, has_rdispls=True only on
+    inter-node rank-lists; on Trn3's NeuronSwitch, LNC=2, more than one device, and consecutive
+    rank-lists holding every rank of each device they touch (4 ranks per device under LNC=2)."""
+    trn2 = nki_emulator.Platform("trn2")  # one trn2 instance holds all ranks
+    with pytest.raises(EmulatorError, match="inter-node rank-list"):
+        _a2av_ranks(2, [[0, 1]], trn2, has_rdispls=True)
+    assert _a2av_ranks(2, [[0, 1]], trn2, has_rdispls=False)[1] == [0.0, 1.0]
+    two_nodes = nki_emulator.Platform("trn2", ranks_per_node=2)  # ranks 0, 1 on node 0; 2, 3 on node 1
+    assert _a2av_ranks(4, [[0, 2], [1, 3]], two_nodes, has_rdispls=True)[3] == [1.0, 3.0]
+    with pytest.raises(EmulatorError, match="inter-node rank-list"):
+        _a2av_ranks(4, [[0, 3], [1, 2]], two_nodes, has_rdispls=True)
+
+    trn3 = nki_emulator.Platform("trn3")
+    assert _a2av_ranks(8, [list(range(8))], trn3, has_rdispls=True)[5] == [float(r) for r in range(8)]
+    with pytest.raises(EmulatorError, match="more than one participating device"):
+        _a2av_ranks(4, [[0, 1, 2, 3]], trn3, has_rdispls=False)
+    with pytest.raises(EmulatorError, match="every rank of each device"):
+        _a2av_ranks(8, [[0, 4], [1, 5], [2, 6], [3, 7]], trn3, has_rdispls=False)
+    with pytest.raises(EmulatorError, match="requires LNC=2"):
+        _a2av_ranks(8, [list(range(8))], nki_emulator.Platform("trn3", lnc=1), has_rdispls=True)
 
 
 def test_driver_rules():
