@@ -31,7 +31,7 @@ import torch
 
 from . import neuron_ops
 from .contract import FP8_DTYPES, combine_dtype
-from .results import RowIdMap, route_words
+from .results import RowIdMap, row_map_words
 
 # The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
 # columns), and row numbers are computed exactly in fp32.
@@ -169,14 +169,13 @@ class NkiBackend:
                 capacity = self.capacity(num_rows, num_tokens, width, num_experts)
         if num_rows >= MAX_ROWS:
             raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} permuted rows, got {num_rows}")
-        words = route_words(self.mask, num_tokens, width)
         device = tokens.device
         if num_tokens == 0:  # no routes: empty segments, zero rows
             out = torch.zeros((num_rows, hidden), dtype=tokens.dtype, device=device)
             out_probs = None if probs is None else torch.zeros(num_rows, dtype=probs.dtype, device=device)
             out_scale = None if scale is None else torch.zeros((num_rows, scale.shape[1]), dtype=scale.dtype,
                                                                device=device)
-            row_map = torch.zeros(words + 2 * num_experts + 1, dtype=torch.int32, device=device)
+            row_map = torch.zeros(row_map_words(self.mask, 0, width, num_experts), dtype=torch.int32, device=device)
             tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
             return out, out_probs, out_scale, tokens_per_expert, row_map, num_rows
         if hidden == 0:  # kernels take no empty tensors: move a zero column, return none
@@ -189,6 +188,9 @@ class NkiBackend:
         out_probs = None if probs is None else outs.pop(0)[:num_rows]
         out_scale = None if scale is None else outs.pop(0)[:num_rows, :0 if hidden == 0 else None]
         row_map, tokens_per_expert = outs
+        spare = row_map_words(self.mask, num_tokens, width, num_experts) - row_map.shape[0]
+        if spare:  # an index map is allocated as whole rows (permgen.results.row_map_words)
+            row_map = torch.cat((row_map, row_map.new_zeros(spare)))
         return out, out_probs, out_scale, tokens_per_expert.reshape(-1).to(torch.int64), row_map, num_rows
 
     def _sum_routes(self, row_id_map, rows_in):

@@ -49,7 +49,7 @@ import torch
 
 from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, out_dtype,
                        prob_dtypes, routing_error, scale_columns, scale_dtype, scale_kind, token_dtype)
-from .results import PermuteResult, RowIdMap, route_words
+from .results import PermuteResult, RowIdMap, row_map_words
 
 NAMESPACE = "permgen"
 _TAKEN = set()  # op name prefixes registered in this process
@@ -210,8 +210,7 @@ class Ops:
         if self.has_scale:
             out_scale = tokens.new_empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant))
         tokens_per_expert = tokens.new_empty((num_experts,), dtype=torch.int64)
-        row_map = tokens.new_empty((route_words(self.mask, num_tokens, width) + 2 * num_experts + 1,),
-                                   dtype=torch.int32)
+        row_map = tokens.new_empty((row_map_words(self.mask, num_tokens, width, num_experts),), dtype=torch.int32)
         return self._permute_outputs(out, out_probs, out_scale, tokens_per_expert, row_map)
 
     def _permute_setup(self, ctx, inputs, output):

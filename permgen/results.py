@@ -11,6 +11,17 @@ def route_words(mask: bool, num_tokens: int, width: int) -> int:
     return (2 * width + 1) * num_tokens if mask else width * num_tokens
 
 
+def row_map_words(mask: bool, num_tokens: int, width: int, num_experts: int) -> int:
+    """Words permute allocates for a row map. An index map is allocated as whole rows of W words,
+    [N + 2E + 1, W], so that N, W and E can be read back from its shape given N (TransformerEngine's
+    moe_unpermute gets a tensor and restore_shape); the words after the segment table are never
+    read. A mask map is exactly [N + 1, 2E + 1] words when W = E."""
+    table = 2 * num_experts + 1
+    if mask or width == 0:
+        return route_words(mask, num_tokens, width) + table
+    return (num_tokens + table) * width
+
+
 class RowIdMap(NamedTuple):
     """What permute leaves for unpermute and the backward passes: O(N*k + E) int32 words.
 
@@ -24,6 +35,7 @@ class RowIdMap(NamedTuple):
         segment counts  [E]     routed (non-pad) rows at the start of each segment
 
     W is the routing's k for index routing; for mask routing it is permute's `topk` hint, or E.
+    Words after the segment table, if any (see row_map_words), are never read.
     """
 
     row_map: torch.Tensor

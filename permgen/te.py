@@ -12,10 +12,9 @@ permuted and the alignment; when none is generated, the registry's LookupError n
 `row_id_map` is an int32 tensor, as in TE, but it holds permgen's row map (permgen.results):
     mask maps   [N + 1, 2E + 1]  the row map of a permute without a topk hint, viewed 2-D; the
                                  shape gives N and E (TE's mask row_id_map is [N, 2E + 1])
-    index maps  [N * k + 2E + 1] the row map as it is; moe_unpermute takes N and k from
-                                 merging_probs ([N, k]), as TE does, or with no merging_probs from
-                                 restore_shape with k = topk (default 1: TE's index unpermute
-                                 without probs handles topK = 1 only)
+    index maps  [N + 2E + 1, k]  the row map as it is allocated (permgen.results.row_map_words);
+                                 the shape gives k, and N (from merging_probs [N, k] or
+                                 restore_shape, as TE takes it) gives E
 Pass it only to this module's moe_unpermute. The README's "Coming from TransformerEngine" lists
 every remaining difference.
 """
@@ -111,7 +110,7 @@ def _te_row_id_map(res, map_type):
     rim = res.row_id_map
     if map_type == "mask":
         return rim.row_map.view(rim.num_tokens + 1, 2 * rim.num_experts + 1)
-    return rim.row_map
+    return rim.row_map.view(-1, rim.width)
 
 
 def _permute(inp, routing_map, probs, num_out_tokens, map_type, pad=0, num_experts=None):
@@ -163,16 +162,15 @@ def moe_permute_and_pad_with_probs(inp, probs, routing_map, tokens_per_expert, a
 
 
 def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask", probs=None,
-                  pad_offsets=None, *, align_size=None, topk=1):
+                  pad_offsets=None, *, align_size=None):
     """Sum each token's permuted rows back into one row, weighted by merging_probs when given.
 
     inp [rows, H]: the experts' outputs in permuted order; row_id_map: from this module's permute
     functions; merging_probs: [N, E] (mask) / [N, k] (index) probs or None (plain sum);
-    restore_shape: (N, H), checked (mask maps); required for index maps without merging_probs;
+    restore_shape: (N, H), checked; index maps without merging_probs need it for N;
     probs: TE's old name of merging_probs; pad_offsets: from moe_permute_and_pad_with_probs
     (selects the padded variant); align_size (permgen): which padded variant, when several are
-    generated; topk (permgen, index maps without merging_probs): the routes per token (TE: 1 only).
-    Returns [N, H], accumulated in fp32."""
+    generated. Returns [N, H], accumulated in fp32."""
     if probs is not None:
         if merging_probs is not None:
             raise ValueError("Both merging_probs and probs kwarg are provided. probs is deprecated.")
@@ -180,28 +178,27 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
         merging_probs = probs
     dtype = _dtype_axis(inp)
     _check_map_type(map_type)
-    if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32:
-        raise TypeError("row_id_map must be the int32 tensor returned by permgen's moe_permute functions")
+    if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
+        raise TypeError("row_id_map must be the 2-D int32 tensor returned by permgen's moe_permute functions")
     mod = _unpermute_module(dtype, map_type, merging_probs is not None, pad_offsets is not None, align_size)
     row_map = row_id_map.reshape(-1)
     if map_type == "mask":
-        if row_id_map.dim() != 2 or row_id_map.shape[1] % 2 == 0:
+        if row_id_map.shape[1] % 2 == 0:
             raise ValueError(f"row_id_map of a mask map must be [N + 1, 2E + 1], got {list(row_id_map.shape)}")
         num_tokens, num_experts = row_id_map.shape[0] - 1, (row_id_map.shape[1] - 1) // 2
         width = columns = num_experts
     else:
         if merging_probs is not None:
-            num_tokens, width = merging_probs.shape
+            num_tokens = merging_probs.shape[0]
         elif restore_shape is not None:
-            num_tokens, width = restore_shape[0], topk
+            num_tokens = restore_shape[0]
         else:
-            raise ValueError("moe_unpermute(map_type='index') without merging_probs needs restore_shape=(N, H) "
-                             "(and topk=k when tokens have more than one route)")
-        columns = width
-        num_experts = (row_map.shape[0] - num_tokens * width - 1) // 2
-        if num_experts < 1 or num_tokens * width + 2 * num_experts + 1 != row_map.shape[0]:
-            raise ValueError(f"row_id_map has {row_map.shape[0]} words, which no index map of {num_tokens} tokens "
-                             f"x {width} routes has; pass the merging_probs (or restore_shape) of its permute")
+            raise ValueError("moe_unpermute(map_type='index') without merging_probs needs restore_shape=(N, H)")
+        width = columns = row_id_map.shape[1]
+        num_experts = (row_id_map.shape[0] - num_tokens - 1) // 2
+        if num_experts < 1 or num_tokens + 2 * num_experts + 1 != row_id_map.shape[0]:
+            raise ValueError(f"row_id_map is {list(row_id_map.shape)}, which no index map of {num_tokens} tokens has "
+                             f"([N + 2E + 1, k]); pass the merging_probs (or restore_shape) of its permute")
     # The routing columns only give the probs' shape to the checks: a view, no allocation.
     routing = row_map[0].expand(num_tokens, columns)
     rim = mod._ops._row_id_map(row_map, num_tokens, width, num_experts, inp.shape[0], routing)

@@ -15,7 +15,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from .contract import FP8_DTYPES, token_dtype
-from .results import RowIdMap, route_words
+from .results import RowIdMap, route_words, row_map_words
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
 _ROW_BYTES_PER_WARP = 512  # 16-byte vectors for each of 32 lanes per step of a row loop
@@ -210,7 +210,7 @@ class TritonBackend:
         device = tokens.device
         num_blocks, scratch_words, route_meta = self._routing_launch(num_tokens, width, num_experts)
         words = route_words(self.mask, num_tokens, width)
-        row_map = torch.empty(words + 2 * num_experts + 1, dtype=torch.int32, device=device)
+        row_map = torch.empty(row_map_words(self.mask, num_tokens, width, num_experts), dtype=torch.int32, device=device)
         tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=device)
         scratch = _routing_scratch(device, scratch_words)
         if self.mask and routing.dtype == torch.bool:

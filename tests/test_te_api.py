@@ -147,7 +147,7 @@ def test_index_map(dtype, cap, mode, request):
     def layer(inp, p):
         out, row_id_map = permgen.moe_permute(inp, ids, num_out_tokens, map_type="index", num_experts=E)
         merged = permgen.moe_unpermute(out * 2, row_id_map, p, map_type="index")
-        summed = permgen.moe_unpermute(out, row_id_map, restore_shape=inp.shape, map_type="index", topk=K)
+        summed = permgen.moe_unpermute(out, row_id_map, restore_shape=inp.shape, map_type="index")
         return out, merged, summed
 
     inp, p = leaf(tokens), leaf(probs)
@@ -172,7 +172,7 @@ def test_index_map_expert_count_from_the_routing(request):
     out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
     assert_bits_equal(out, tokens[te_index_order(ids, None) // K], "output")
     experts = int(ids.max()) + 1
-    assert row_id_map.shape == (N * K + 2 * experts + 1,)
+    assert row_id_map.shape == (N + 2 * experts + 1, K)
 
 
 def test_index_map_without_num_experts_does_not_compile(request):
@@ -294,5 +294,12 @@ def test_bad_arguments(request):
     out, _, row_id_map = permgen.moe_permute_with_probs(tokens, probs, mask)
     with pytest.raises(ValueError, match="restore_shape"):
         permgen.moe_unpermute(out, row_id_map, probs, restore_shape=(N + 1, H))
+    with pytest.raises(TypeError, match="2-D int32"):
+        permgen.moe_unpermute(out, row_id_map.reshape(-1))
+    index_out, index_map = permgen.moe_permute(tokens, ids, map_type="index", num_experts=E)
+    assert index_map.shape == (N + 2 * E + 1, K)
     with pytest.raises(ValueError, match="restore_shape"):
-        permgen.moe_unpermute(out, row_id_map.reshape(-1), map_type="index")
+        permgen.moe_unpermute(index_out, index_map, map_type="index")
+    # A token count that does not fit the map's shape cannot be mistaken for another map.
+    with pytest.raises(ValueError, match=r"\[N \+ 2E \+ 1, k\]"):
+        permgen.moe_unpermute(index_out, index_map, restore_shape=(N + 1, H), map_type="index")
