@@ -26,17 +26,18 @@ Rules:
 3. A call may write only the arguments declared in `mutates_args`, and returns no input (nor an alias
    of one or of another output) [HOW: declaring in-place updates; PT]: checked on every call by
    comparing the undeclared inputs' bytes before and after, and the outputs' storages.
-4. Eager mode: "the first call compiles the kernel for the input shapes, data types, and non-tensor
-   argument values of that call; later calls with the same inputs reuse it" [HOW, "How NKI kernels
-   run in torch-neuronx"]: `compile_key` is that key and `kernel_compiles()` counts the distinct keys
-   of the kernel launches in a block (what a Neuron host would compile).
+4. Eager mode compiles a kernel when it is first called with a new combination of tensor shapes,
+   dtypes and non-tensor argument values, and reuses that compile for repeated combinations [HOW,
+   "How NKI kernels run in torch-neuronx"]: `compile_key` is that combination and
+   `kernel_compiles()` collects the keys of the kernel launches in a block (the distinct keys are
+   what a Neuron host would compile).
 5. Training goes through `register_autograd` [HOW]: backward through an operator without it fails
    (torch.library raises; nothing is added here).
-6. `torch.compile(backend="neuron")`: the kernel call "becomes one node in the captured graph and
-   compiles together with the surrounding PyTorch operations" [HOW]: the "neuron" backend registered
-   here traces through AOTAutograd (forward and backward graphs, as training does), requires every
-   call of an nki_op to be one node of its own operator in those graphs (`graph_ops` records them),
-   and runs the graphs eagerly.
+6. Under `torch.compile(backend="neuron")` each kernel call is a single node of the captured graph,
+   compiled with the PyTorch operations around it [HOW]: the "neuron" backend registered here traces
+   through AOTAutograd (forward and backward graphs, as training does), records every node that
+   calls an nki_op in `graph_ops` (tests check each call is there as its own operator), and runs the
+   graphs eagerly.
 
 What it does not model: Neuron devices (tests pass CPU tensors; the kernels run in nki.simulate or
 the emulator), the Neuron compiler, and anything the pages above do not state.
