@@ -5,9 +5,10 @@ loss -- forward and backward once each.
 
 The loss is linear in the layer output, so both targets' backward passes start from the same
 gradient: what the kernels move (permuted rows, probs, scales, row maps, segment sizes, gradient
-rows) and everything PyTorch computes from it (expert and router weight gradients, the router probs'
-gradients) must be bit-identical; only values the kernels sum (the layer output, the loss, the
-tokens' gradients) get the summed-value tolerance. Mask and index routing, with padding, and fp8
+rows) must be bit-identical, and so must everything PyTorch computes from them on the CPU (expert and
+router weight gradients, the router probs' gradients; with Triton on a GPU, PyTorch's GPU matmuls
+round differently, so those get a tolerance there); only values the kernels sum (the layer output,
+the loss, the tokens' gradients) get the summed-value tolerance. Mask and index routing, with padding, and fp8
 tokens with block128 and mx32 scales (quantised by the test, dequantised after permute).
 """
 
@@ -47,16 +48,16 @@ def dequantise(q, scale, scale_kind):
     return (q.float() * step.repeat_interleave(cols, 1)[:, :q.shape[1]]).to(torch.bfloat16)
 
 
-def layer(mod, x, router, w1, w2, loss_weight, num_out_tokens):
-    """Returns (loss, out, the router probs as passed to permute, permute's result)."""
+def layer(mod, x, router, w1, w2, loss_weight, experts, num_out_tokens):
+    """Returns (loss, out, the router probs as passed to permute, permute's result). experts [N, K]:
+    the router's top-k, picked once on the CPU (a GPU's logits could order near-ties differently)."""
     spec = mod.VARIANT
-    top = (x.float() @ router).topk(K, dim=1)
-    gate = top.values.softmax(-1)
+    gate = (x.float() @ router).gather(1, experts).softmax(-1)
     if spec["routing"] == "mask":
-        routing = torch.zeros(x.shape[0], E, dtype=torch.bool, device=x.device).scatter(1, top.indices, True)
-        probs = torch.zeros(x.shape[0], E, device=x.device).scatter(1, top.indices, gate)
+        routing = torch.zeros(x.shape[0], E, dtype=torch.bool, device=x.device).scatter(1, experts, True)
+        probs = torch.zeros(x.shape[0], E, device=x.device).scatter(1, experts, gate)
     else:
-        routing, probs = top.indices.to(torch.int32), gate
+        routing, probs = experts.to(torch.int32), gate
     probs.retain_grad()
     tokens, scale = (x, None) if spec["scale"] == "none" else quantise(x.detach(), spec["scale"])
     res = mod.permute(tokens, routing, probs, scale, num_experts=E, num_out_tokens=num_out_tokens)
@@ -76,6 +77,7 @@ def test_one_layer_on_both_targets(name, request, poisoned_empty):
     w1 = (torch.randn(E, H, F, generator=g) / H ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(torch.bfloat16)
     loss_weight = torch.randn(N, H, generator=g)
+    experts = (x.float() @ router).topk(K, dim=1).indices
     runs = {}
     for target in ("triton", "nki"):
         mod = load(target, name)
@@ -83,7 +85,7 @@ def test_one_layer_on_both_targets(name, request, poisoned_empty):
         leaves = [t.requires_grad_() for t in to_device(device, x, router, w1, w2)]
         # index routing with a capacity (nothing read back), mask routing without one (the row count read back)
         cap = None if mod.VARIANT["routing"] == "mask" else N * K + E * (mod.VARIANT["pad"] - 1)
-        loss, out, probs, res = layer(mod, *leaves, loss_weight.to(device), cap)
+        loss, out, probs, res = layer(mod, *leaves, loss_weight.to(device), experts.to(device), cap)
         loss.backward()
         runs[target] = dict(loss=loss.detach(), out=out.detach(), res=res, probs_grad=probs.grad,
                             grads=[t.grad for t in leaves])
@@ -98,9 +100,13 @@ def test_one_layer_on_both_targets(name, request, poisoned_empty):
     assert torch.equal(tr.row_id_map.rows_by_column().cpu(), nr.row_id_map.rows_by_column())
     assert_sum_close(t["out"], n["out"], "layer output")
     torch.testing.assert_close(t["loss"].cpu(), n["loss"], rtol=2e-2, atol=2e-2)
-    assert_bits_equal(t["probs_grad"], n["probs_grad"], "router probs' gradients")
     x_grad_t, router_t, w1_t, w2_t = t["grads"]
     x_grad_n, router_n, w1_n, w2_n = n["grads"]
-    for what, got, want in (("router", router_n, router_t), ("w1", w1_n, w1_t), ("w2", w2_n, w2_t)):
-        assert_bits_equal(want, got, f"{what} weight gradients")
+    computed = (("router probs' gradients", n["probs_grad"], t["probs_grad"]), ("router weight gradients", router_n,
+                router_t), ("w1 gradients", w1_n, w1_t), ("w2 gradients", w2_n, w2_t))
+    for what, got, want in computed:
+        if DEVICE.type == "cpu":  # the same PyTorch CPU ops on the same moved data and gradient rows
+            assert_bits_equal(want, got, what)
+        else:  # PyTorch's own GPU and CPU matmuls round differently
+            torch.testing.assert_close(want.cpu(), got, rtol=2e-2, atol=2e-2)
     assert_sum_close(x_grad_t, x_grad_n, "token gradients")
