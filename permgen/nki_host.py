@@ -220,7 +220,8 @@ class NkiBackend:
             return grad_tokens, torch.zeros(shape, dtype=dtype, device=grad_out_probs.device)
         # One launch for both; without a token gradient (or columns) a zero column stands in.
         rows_in = grad_out if hidden else torch.zeros(
-            (num_rows, 1), dtype=self.combine_dtype if grad_out is None else grad_out.dtype, device=grad_out_probs.device)
+            (num_rows, 1), dtype=self.combine_dtype if grad_out is None else grad_out.dtype,
+            device=grad_out_probs.device)
         grad_tokens, grad_probs = self._run(self.kernels.permute_backward, rows_in, row_id_map.row_map,
                                             grad_out_probs, **self._sizes(row_id_map))
         return (None if grad_out is None else grad_tokens[:, :hidden]), grad_probs.to(dtype)
@@ -250,7 +251,8 @@ class NkiBackend:
         num_rows, hidden = tokens.shape
         if num_rows == 0:
             return torch.zeros_like(tokens), None if probs is None else torch.zeros_like(probs)
-        moved = tokens if hidden else torch.zeros((num_rows, 1), dtype=tokens.dtype, device=tokens.device)  # a zero column
+        # A zero column stands in for no columns.
+        moved = tokens if hidden else torch.zeros((num_rows, 1), dtype=tokens.dtype, device=tokens.device)
         rows = rows.to(torch.int32).reshape(num_rows, 1)
         if probs is None:
             return self._run(rows_kernel, moved, rows)[:, :hidden], None

@@ -86,7 +86,8 @@ def nki_op(name, *, mutates_args):
         @functools.wraps(fn)
         def checked(*args, **kwargs):
             bound = inspect.signature(fn).bind(*args, **kwargs)
-            kept = {k: _bytes(v) for k, v in bound.arguments.items() if k not in declared and isinstance(v, torch.Tensor)}
+            kept = {k: _bytes(v) for k, v in bound.arguments.items()
+                    if k not in declared and isinstance(v, torch.Tensor)}
             out = fn(*args, **kwargs)
             for k, before in kept.items():
                 if not torch.equal(_bytes(bound.arguments[k]), before):

@@ -127,8 +127,8 @@ def test_permute_backward_agrees_with_triton(name, request, poisoned_empty):
             outputs.append(res.probs)
             inputs.append(p)
             grad_outs.append(torch.randn(res.probs.shape, generator=gen).to(device))
-        grads[target] = res.tokens.requires_grad, [x.cpu() for x in
-                                                    (torch.autograd.grad(outputs, inputs, grad_outs) if outputs else ())]
+        grad_inputs = torch.autograd.grad(outputs, inputs, grad_outs) if outputs else ()
+        grads[target] = res.tokens.requires_grad, [x.cpu() for x in grad_inputs]
     (tokens_differentiable, want), (nki_tokens_differentiable, got) = grads["triton"], grads["nki"]
     assert tokens_differentiable == nki_tokens_differentiable and len(want) == len(got)
     if tokens_differentiable:

@@ -22,8 +22,10 @@ from cases import DEVICE, assert_bits_equal, assert_sum_close, generator_for, lo
 N, H, E, K, F = 24, 64, 4, 2, 32  # tokens, hidden, experts, routes per token, expert ffn width
 FP8_MAX = 448.0  # largest float8_e4m3fn value
 
+# Spec entries with both targets: mask and index routing, all padded, two with fp8 tokens and scales.
 LAYERS = [name for name in ("probs_pad128_bf16_mask", "probs_pad16_bf16_index", "probs_pad128_fp8e4m3_block128_mask",
-                            "probs_pad32_fp8e4m3_mx32_index") if name in variants_for("triton") and name in variants_for("nki")]
+                            "probs_pad32_fp8e4m3_mx32_index")
+          if name in variants_for("triton") and name in variants_for("nki")]
 
 
 def quantise(x, scale_kind):
