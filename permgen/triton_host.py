@@ -137,13 +137,14 @@ class TritonBackend:
         self.pad = variant["pad"]
         self.fp8 = variant["dtype"] in FP8_DTYPES
         self.token_dtype = token_dtype(variant)
+        # Compiled kernels run on CUDA tensors; under TRITON_INTERPRET=1 they run on CPU tensors.
+        # Decided once: torch.compile traces check_device, and cannot trace an isinstance of a kernel.
+        self.device_type = "cuda" if isinstance(kernels.route, JITFunction) else "cpu"
         # lru_cache per instance: the launch geometry of each shape is worked out once.
         self._routing_launch = functools.lru_cache(maxsize=1024)(self._routing_geometry)
 
     def check_device(self, tokens):
-        """Compiled kernels run on CUDA tensors; under TRITON_INTERPRET=1 they run on CPU tensors."""
-        compiled = isinstance(self.kernels.route, JITFunction)
-        if tokens.device.type != ("cuda" if compiled else "cpu"):
+        if tokens.device.type != self.device_type:
             raise ValueError(f"{self.name}: tokens are on {tokens.device}; the triton target runs on CUDA tensors "
                              "(CPU tensors under TRITON_INTERPRET=1)")
 
