@@ -279,7 +279,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             raise EmulatorError(f"nc_matmul {what} dtype {t.dtype} is not a Tensor Engine input type")
         # float8_e4m3fn is a NeuronCore-v4 (Trainium3) Tensor Engine format: the NeuronCore-v3 input types
         # are float8_e4m3 / float8_e5m2 / bfloat16 / float16 / tfloat32 / float32 (nki.isa.nc_matmul,
-        # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.21.0.beta/general/nki/api/generated/nki.isa.nc_matmul.html),
+        # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.26.1/nki/api/generated/nki.isa.nc_matmul.html),
         # and the e4m3fn formats arrive with NeuronCore-v4 (nki.language.float8_e4m3fn_x4, 2.30: "for
         # nki.isa.nc_matmul_mx on NeuronCore-v4"; issue #11's review of the 2.33 nc_matmul page).
         if t.dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:

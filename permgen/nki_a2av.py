@@ -288,9 +288,9 @@ def _exchange(send, out, slot_rows, out_f, in_f, metadata, replica_group, exchan
         ncc.all_to_all_v(srcs=[send], dsts=[slots], replica_group=replica_group, metadata_tensor=metadata,
                          recv_counts_known=True, has_rdispls=False)
     else:
-        # all_to_all moves equal chunks: segment j goes to chunk j of a slotted send buffer first.
+        # all_to_all moves equal chunks: segment j goes to chunk j of a slotted send buffer first (a
+        # chunk's tail past the segment is never written: the receiver's compaction reads no further).
         spread = nl.ndarray((ep * slot_rows, hidden), dtype=send.dtype, buffer=nl.shared_hbm)
-        _zero_rows(spread)
         out_starts = _on_every_partition(_exclusive_scan(out_f))
         _spread(spread, send, send.shape[0], slot_rows, out_starts, _on_every_partition(out_f))
         ncc.all_to_all(srcs=[spread], dsts=[slots], replica_group=replica_group, collective_dim=0)
@@ -353,8 +353,8 @@ def permute_a2av_kernel(hidden_states, packed_source_indices, send_counts, recv_
     send_f, recv_f = _exchange_counts(send_counts, replica_group)
     metadata = _metadata(send_f, recv_f, hidden)
     # The packed send buffer; with receive slots it is one slot long (dst = EP x src).
-    send_rows = max(num_rows, slot_rows) if exchange == "a2av_slots" else num_rows
-    send = nl.ndarray((send_rows, hidden), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
+    send = nl.ndarray((slot_rows if exchange == "a2av_slots" else num_rows, hidden), dtype=hidden_states.dtype,
+                      buffer=nl.shared_hbm)
     _gather_packed(send, hidden_states, packed_source_indices, num_rows)
     recv = nl.ndarray((recv_capacity, hidden), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
     _exchange(send, recv, slot_rows, send_f, recv_f, metadata, replica_group, exchange)

@@ -246,7 +246,8 @@ def test_exact_capacity_and_hidden_tiles(monkeypatch, generation):
     check(run_dispatch(ranks, capacity, generation=generation), reference(ranks, 4, 200, capacity), 200)
 
 
-def test_strided_rank_lists():
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_strided_rank_lists(generation):
     """Four ranks in two independent EP=2 rank-lists [[0, 2], [1, 3]]."""
     group = [[0, 2], [1, 3]]
     ranks, capacity = make_rank_inputs(DEEP[0], 4, 5, experts_per_rank=4)
@@ -258,7 +259,7 @@ def test_strided_rank_lists():
         rerouted.append((rows, torch.sort(dest, stable=True).indices.to(torch.int32),
                          torch.bincount(dest, minlength=2).to(torch.int32)[None], n))
     capacity = sum(r[0].shape[0] for r in rerouted)
-    check(run_dispatch(rerouted, capacity, group), reference(rerouted, 4, 72, capacity, group), 72)
+    check(run_dispatch(rerouted, capacity, group, generation=generation), reference(rerouted, 4, 72, capacity, group), 72)
 
 
 @pytest.mark.parametrize("generation,ep", [("trn2", 2), ("trn3", 2), ("trn3", 8)])
@@ -321,3 +322,15 @@ def test_metadata_elements_are_exact_past_fp32():
 
     got = jit(body)(rows)
     np.testing.assert_array_equal(got, (rows.astype(np.int64) * 7168).astype(np.uint32))
+
+
+def test_each_generation_picks_a_documented_exchange():
+    """trn2: all_to_all_v into receive slots; trn3: receive displacements only for rank-lists of whole
+    devices (4 ranks each under LNC=2) on two or more devices, else all_to_all on slots."""
+    exchange_for = nki_a2av.exchange_for
+    assert exchange_for(ReplicaGroup([list(range(8))]), "trn2") == "a2av_slots"
+    assert exchange_for(ReplicaGroup([list(range(8))]), "trn3") == "a2av_packed"
+    assert exchange_for(ReplicaGroup([list(range(8)), list(range(8, 16))]), "trn3") == "a2av_packed"
+    assert exchange_for(ReplicaGroup([[0, 1, 2, 3]]), "trn3") == "a2a_slots"  # one device
+    assert exchange_for(ReplicaGroup([[0, 4], [1, 5], [2, 6], [3, 7]]), "trn3") == "a2a_slots"  # partial devices
+    assert exchange_for(ReplicaGroup([[4, 5, 6, 7, 8, 9, 10, 11]]), "trn3") == "a2av_packed"
