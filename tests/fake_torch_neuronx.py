@@ -26,11 +26,12 @@ Rules:
 3. A call may write only the arguments declared in `mutates_args`, and returns no input (nor an alias
    of one or of another output) [HOW: declaring in-place updates; PT]: checked on every call by
    comparing the undeclared inputs' bytes before and after, and the outputs' storages.
-4. Eager mode compiles a kernel when it is first called with a new combination of tensor shapes,
-   dtypes and non-tensor argument values, and reuses that compile for repeated combinations [HOW,
-   "How NKI kernels run in torch-neuronx"]: `compile_key` is that combination and
-   `kernel_compiles()` collects the keys of the kernel launches in a block (the distinct keys are
-   what a Neuron host would compile).
+4. An `@nki.jit` kernel called with tensors on a Neuron device is run by torch-neuronx, and eager
+   mode compiles it when it is first called with a new combination of tensor shapes, dtypes and
+   non-tensor argument values, reusing that compile for repeated combinations [HOW, "How NKI kernels
+   run in torch-neuronx"]: inside `neuron_device()`, CPU tensors play Neuron tensors (permgen takes
+   its Neuron path and calls the kernels on them), each such call records its `compile_key` (the
+   distinct keys are what a Neuron host would compile) and runs in nki.simulate.
 5. Training goes through `register_autograd` [HOW]: backward through an operator without it fails
    (torch.library raises; nothing is added here).
 6. Under `torch.compile(backend="neuron")` each kernel call is a single node of the captured graph,
@@ -39,8 +40,8 @@ Rules:
    calls an nki_op in `graph_ops` (tests check each call is there as its own operator), and runs the
    graphs eagerly.
 
-What it does not model: Neuron devices (tests pass CPU tensors; the kernels run in nki.simulate or
-the emulator), the Neuron compiler, and anything the pages above do not state.
+What it does not model: Neuron memory and devices (CPU tensors stand in; the kernels run in the
+emulator), the Neuron compiler, and anything the pages above do not state.
 """
 
 from __future__ import annotations
@@ -131,23 +132,36 @@ def compile_key(kernel, args, static):
 
 
 @contextlib.contextmanager
-def kernel_compiles():
-    """Yield a list that collects the compile keys of the NKI kernels launched in the block, in order;
-    len(set(keys)) is how many compiles a Neuron host would make."""
-    from permgen import nki_host
+def neuron_device():
+    """CPU tensors play Neuron tensors inside the block: permgen's NKI host calls the kernels on them
+    directly, and a kernel called with torch tensors runs as torch-neuronx would run it (here through
+    nki.simulate, in the emulator). Yields the list of compile keys of those calls, in order;
+    len(set(keys)) is how many compiles a Neuron host would make. Needs the emulator as `nki`."""
+    import nki_emulator
+    from permgen import neuron_ops, nki_host
 
+    if nki_emulator.real_nki_available():
+        raise NeuronContractError("neuron_device() runs kernels in the emulator; the real nki is installed here")
     keys = []
-    real = nki_host.NkiBackend._run
+    real_call, real_devices = nki_emulator.Kernel.__call__, neuron_ops.NEURON_DEVICES
 
-    def run(self, kernel, *args, **static):
-        keys.append(compile_key(kernel, args, static))
-        return real(self, kernel, *args, **static)
+    def call(kernel, *args, **kwargs):
+        if not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            return real_call(kernel, *args, **kwargs)
+        keys.append(compile_key(kernel, args, kwargs))
+        convert = lambda a: nki_host.to_kernel(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        outs = nki_emulator.simulate(kernel)(*map(convert, args), **{k: convert(v) for k, v in kwargs.items()})
+        if isinstance(outs, (tuple, list)):
+            return tuple(nki_host.from_kernel(o) for o in outs)
+        return nki_host.from_kernel(outs)
 
-    nki_host.NkiBackend._run = run
+    nki_emulator.Kernel.__call__ = call
+    neuron_ops.NEURON_DEVICES = (*real_devices, "cpu")
     try:
         yield keys
     finally:
-        nki_host.NkiBackend._run = real
+        nki_emulator.Kernel.__call__ = real_call
+        neuron_ops.NEURON_DEVICES = real_devices
 
 
 # ---------------------------------------------------------------------------------------------

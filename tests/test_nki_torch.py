@@ -10,6 +10,8 @@ a Trainium host).
 - permute -> experts -> unpermute compiles with torch.compile(backend="neuron", fullgraph=True),
   forward and backward, each kernel call one node of its own op, bit-identical to eager;
 - calls through the dispatcher keep the nki_op contract (no undeclared writes, no aliasing);
+- on Neuron tensors (CPU tensors standing in, kernels called on them as torch-neuronx runs them) the
+  results are the CPU path's bit for bit;
 - eager compiles (a kernel per distinct shapes, dtypes and static values): one per capacity with
   num_out_tokens; without it, new row counts reuse the power-of-two capacity's compile.
 
@@ -19,8 +21,8 @@ under TRITON_INTERPRET=1. Shapes are small.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import itertools
 from pathlib import Path
 
 import pytest
@@ -240,8 +242,34 @@ def test_the_model_refuses_what_the_documentation_rules_out(neuron):
 
 
 # ---------------------------------------------------------------------------------------------
-# What eager mode compiles (issue: no compile per distinct row count)
+# Neuron tensors: the kernels called on the tensors (modelled), and what eager mode compiles
 # ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["probs_pad16_bf16_index", "probs_pad128_fp8e4m3_block128_mask"])
+def test_the_neuron_path_gives_the_cpu_path_results(name, neuron, request):
+    """permute, unpermute and both backward passes on Neuron tensors (kernels called on the tensors,
+    as torch-neuronx runs them) and on CPU tensors (nki.simulate with NumPy arrays): the same bits."""
+    mod = load("nki", name)
+    results = []
+    for on_neuron in (False, True):
+        g = generator_for(request)
+        tokens, routing, probs, scale = make_inputs(mod.VARIANT, CASE, torch.device("cpu"), g)
+        tokens.requires_grad_(tokens.dtype.itemsize > 1)
+        probs.requires_grad_()
+        with fake_torch_neuronx.neuron_device() if on_neuron else contextlib.nullcontext([]) as keys:
+            res = mod.permute(tokens, routing, probs, scale, num_experts=CASE.E)
+            rows = res.tokens.to(torch.bfloat16) * 3
+            out = mod.unpermute(rows, res.row_id_map, probs)
+            leaves = [t for t in (tokens, probs) if t.requires_grad]
+            grad_outs = (random_like(out.shape, out.dtype, out.device, g), torch.randn(res.probs.shape, generator=g))
+            grads = torch.autograd.grad((out, res.probs), leaves, grad_outs)
+        assert bool(keys) == on_neuron
+        results.append((res.tokens, res.probs, res.scale, res.row_id_map.row_map, res.tokens_per_expert, out, *grads))
+    for i, (got, want) in enumerate(zip(*results)):
+        assert (got is None) == (want is None), i
+        if got is not None:
+            assert_bits_equal(got, want, f"output {i}")
+
 
 def _permute_compiles(keys, mod):
     return {key for key in keys if key[0] == f"{mod.VARIANT['name']}_permute"}
@@ -249,22 +277,22 @@ def _permute_compiles(keys, mod):
 
 @pytest.mark.parametrize("name", ["probs_bf16_index", "probs_bf16_mask"])
 def test_row_counts_do_not_each_compile(name, neuron, request):
-    """With num_out_tokens: one permute compile for any routing. Without it: routings whose row
-    counts differ but share a power-of-two capacity share one compile, and the outputs hold exactly
-    the routed rows."""
+    """On Neuron tensors (modelled), with num_out_tokens: one permute compile for any routing.
+    Without it: routings whose row counts differ but share a power-of-two capacity share one
+    compile, and the outputs hold exactly the routed rows."""
     mod = load("nki", name)
     g = generator_for(request)
     case = Case("counts", N=24, H=16, E=4, k=2, ragged=True)
     inputs = [make_inputs(mod.VARIANT, case, torch.device("cpu"), g) for _ in range(6)]
     counts = [needed_rows(mod.VARIANT, x[1], case.E) for x in inputs]
-    with fake_torch_neuronx.kernel_compiles() as keys:
+    with fake_torch_neuronx.neuron_device() as keys:
         for x in inputs:
             mod.permute(*x, num_experts=case.E, num_out_tokens=64)
     assert len(_permute_compiles(keys, mod)) == 1
 
     capacities = {mod._ops.backend.capacity(c, case.N, case.k if mod.VARIANT["routing"] == "index" else case.E,
                                             case.E) for c in counts}
-    with fake_torch_neuronx.kernel_compiles() as keys:
+    with fake_torch_neuronx.neuron_device() as keys:
         for x, count in zip(inputs, counts):
             res = mod.permute(*x, num_experts=case.E)
             assert res.tokens.shape[0] == res.row_id_map.num_rows == count
