@@ -1,0 +1,84 @@
+"""What the NKI expert-parallel kernels cost, counted by the CPU emulator, on each Trainium generation.
+
+permute_a2av (dispatch) and unpermute_a2av (combine) run on EP ranks of the emulator's multi-rank
+driver; per kernel run the emulator counts the instructions issued (every nki.isa / nki.collectives
+call), the indirect DMAs and the bytes that dma_copy moved (the collectives' own traffic is not
+counted as DMA bytes). The table shows the busiest rank. Routing is uniform: every token picks k
+distinct experts of E, spread evenly over the ranks; the receive capacity is twice the mean.
+
+    .venv/bin/python benchmarks/nki_a2av_cost.py [--ep 2,8 --tokens 512 --h 1024 --e 64 --k 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import ml_dtypes  # noqa: E402
+
+import nki_emulator  # noqa: E402
+
+nki_emulator.install()
+
+from nki_emulator import Platform, run_ranks  # noqa: E402
+from nki_emulator.collectives import ReplicaGroup  # noqa: E402
+from permgen.nki_a2av import exchange_for, permute_a2av, unpermute_a2av  # noqa: E402
+
+
+def rank_inputs(ep, tokens, hidden, experts, k, seed):
+    """(routed rows [T*k, H] bf16, destination-major packing, send counts [1, EP], probs [T, k])."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k]
+    dest = (ids // (experts // ep)).reshape(-1)
+    rows = rng.standard_normal((tokens * k, hidden)).astype(ml_dtypes.bfloat16)
+    order = np.argsort(dest, kind="stable").astype(np.int32)
+    counts = np.bincount(dest, minlength=ep).astype(np.int32)[None]
+    probs = rng.random((tokens, k)).astype(np.float32)
+    return rows, order, counts, probs
+
+
+def measure(generation, ep, tokens, hidden, experts, k):
+    group = ReplicaGroup([list(range(ep))])
+    capacity = 2 * tokens * k
+    inputs = [rank_inputs(ep, tokens, hidden, experts, k, seed) for seed in range(ep)]
+
+    def rank(rows, order, counts, probs):
+        with nki_emulator.recording() as runs:
+            recv, _ = permute_a2av(rows, order, counts, capacity, group, generation=generation)
+            unpermute_a2av(recv, order, counts, probs, group, generation=generation)
+        return runs
+
+    per_rank = run_ranks(rank, inputs, platform=Platform(generation))
+    # Each rank ran the dispatch, then the combine: report the rank that moved the most bytes in each.
+    busiest = [max((runs[i] for runs in per_rank), key=lambda cost: cost.dma_bytes) for i in range(2)]
+    return exchange_for(group, generation), busiest
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ep", default="2,8", help="comma-separated EP sizes")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    parser.add_argument("--h", type=int, default=1024)
+    parser.add_argument("--e", type=int, default=64)
+    parser.add_argument("--k", type=int, default=8)
+    args = parser.parse_args()
+    print(f"{args.tokens} tokens per rank, H={args.h}, E={args.e}, k={args.k}, bf16 rows, "
+          f"capacity {2 * args.tokens * args.k} rows")
+    print("| EP | generation | exchange | kernel | instructions | indirect DMAs | DMA bytes |")
+    print("|---|---|---|---|---|---|---|")
+    for ep in (int(x) for x in args.ep.split(",")):
+        for generation in ("trn2", "trn3"):
+            exchange, costs = measure(generation, ep, args.tokens, args.h, args.e, args.k)
+            for cost in costs:
+                print(f"| {ep} | {generation} | {exchange} | {cost.kernel.removesuffix('_kernel')} | {cost.instructions:,} | "
+                      f"{cost.indirect_dmas:,} | {cost.dma_bytes:,} |")
+
+
+if __name__ == "__main__":
+    main()
