@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import sys
 import types
@@ -205,8 +206,19 @@ def _register_backend():
 # Installation
 # ---------------------------------------------------------------------------------------------
 
+def real_torch_neuronx_available() -> bool:
+    """True where the real torch-neuronx is installed (then this model must not stand in for it)."""
+    module = sys.modules.get("torch_neuronx")
+    if module is not None:
+        return not getattr(module, "__fake_torch_neuronx__", False)
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
 def install() -> types.ModuleType:
-    """Make `import torch_neuronx` give this module (and `import nki` work: rule 1)."""
+    """Make `import torch_neuronx` give this module (and `import nki` work: rule 1). Refused where
+    the real torch-neuronx is installed."""
+    if real_torch_neuronx_available():
+        raise NeuronContractError("the real torch-neuronx is installed: the model does not replace it")
     import nki_emulator
 
     nki_emulator.install()

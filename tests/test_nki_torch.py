@@ -54,10 +54,23 @@ _COPIES = {}
 
 @pytest.fixture(scope="module")
 def neuron():
-    """torch_neuronx (the model) installed for this module's tests, removed afterwards."""
+    """torch_neuronx (the model) installed for this module's tests, removed afterwards. Where the real
+    torch-neuronx is installed these tests, which check the model's rules on CPU tensors, skip."""
+    if fake_torch_neuronx.real_torch_neuronx_available():
+        pytest.skip("the real torch-neuronx is installed; these tests run its model on CPU tensors")
     module = fake_torch_neuronx.install()
     yield module
     fake_torch_neuronx.uninstall()
+
+
+@pytest.fixture
+def neuron_device(neuron):
+    """CPU tensors standing in for Neuron tensors (the kernels then run in the emulator)."""
+    import nki_emulator
+
+    if nki_emulator.real_nki_available():
+        pytest.skip("the real nki is installed; the Neuron-tensor model runs kernels in the emulator")
+    return fake_torch_neuronx.neuron_device
 
 
 def neuron_module(name):
@@ -246,7 +259,7 @@ def test_the_model_refuses_what_the_documentation_rules_out(neuron):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["probs_pad16_bf16_index", "probs_pad128_fp8e4m3_block128_mask"])
-def test_the_neuron_path_gives_the_cpu_path_results(name, neuron, request):
+def test_the_neuron_path_gives_the_cpu_path_results(name, neuron_device, request):
     """permute, unpermute and both backward passes on Neuron tensors (kernels called on the tensors,
     as torch-neuronx runs them) and on CPU tensors (nki.simulate with NumPy arrays): the same bits."""
     mod = load("nki", name)
@@ -256,7 +269,7 @@ def test_the_neuron_path_gives_the_cpu_path_results(name, neuron, request):
         tokens, routing, probs, scale = make_inputs(mod.VARIANT, CASE, torch.device("cpu"), g)
         tokens.requires_grad_(tokens.dtype.itemsize > 1)
         probs.requires_grad_()
-        with fake_torch_neuronx.neuron_device() if on_neuron else contextlib.nullcontext([]) as keys:
+        with neuron_device() if on_neuron else contextlib.nullcontext([]) as keys:
             res = mod.permute(tokens, routing, probs, scale, num_experts=CASE.E)
             rows = res.tokens.to(torch.bfloat16) * 3
             out = mod.unpermute(rows, res.row_id_map, probs)
@@ -276,7 +289,7 @@ def _permute_compiles(keys, mod):
 
 
 @pytest.mark.parametrize("name", ["probs_bf16_index", "probs_bf16_mask"])
-def test_row_counts_do_not_each_compile(name, neuron, request):
+def test_row_counts_do_not_each_compile(name, neuron_device, request):
     """On Neuron tensors (modelled), with num_out_tokens: one permute compile for any routing.
     Without it: routings whose row counts differ but share a power-of-two capacity share one
     compile, and the outputs hold exactly the routed rows."""
@@ -285,14 +298,14 @@ def test_row_counts_do_not_each_compile(name, neuron, request):
     case = Case("counts", N=24, H=16, E=4, k=2, ragged=True)
     inputs = [make_inputs(mod.VARIANT, case, torch.device("cpu"), g) for _ in range(6)]
     counts = [needed_rows(mod.VARIANT, x[1], case.E) for x in inputs]
-    with fake_torch_neuronx.neuron_device() as keys:
+    with neuron_device() as keys:
         for x in inputs:
             mod.permute(*x, num_experts=case.E, num_out_tokens=64)
     assert len(_permute_compiles(keys, mod)) == 1
 
     capacities = {mod._ops.backend.capacity(c, case.N, case.k if mod.VARIANT["routing"] == "index" else case.E,
                                             case.E) for c in counts}
-    with fake_torch_neuronx.neuron_device() as keys:
+    with neuron_device() as keys:
         for x, count in zip(inputs, counts):
             res = mod.permute(*x, num_experts=case.E)
             assert res.tokens.shape[0] == res.row_id_map.num_rows == count
