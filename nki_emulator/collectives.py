@@ -4,8 +4,8 @@ A collective needs every rank of its rank-list to take part, so kernels that cal
 `run_ranks`: it runs the same program once per rank, each rank in its own thread with its own
 inputs, and the collectives meet at a barrier, exchange HBM buffers and check what the runtime
 checks. Strict by design: a rank that sends past its source buffer, a receive that does not fit
-its destination, overlapping receive intervals, receive counts that disagree with what the peers
-send, or ranks calling different collectives are errors, and an error on one rank fails them all.
+its destination, overlapping receive intervals, all_to_all chunks of different sizes, or ranks
+calling different collectives are errors, and an error on one rank fails them all.
 
     results = run_ranks(fn, [args_rank0, args_rank1, ...])   # fn(*args) on every rank
     results = run_ranks(fn, rank_args, platform=Platform("trn3"))
@@ -138,6 +138,9 @@ def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=
     if src.shape[0] % size:
         raise EmulatorError(f"{kind}: dim 0 of {src.shape} does not split into {size} equal chunks")
     chunk = src.shape[0] // size
+    if any(posts[r].shape != src.shape for r in ranks):
+        raise EmulatorError(f"{kind}: the ranks' buffers differ in shape ({sorted({posts[r].shape for r in ranks})}): "
+                            f"every rank splits the same shape into equal chunks")
     for i, r in enumerate(ranks):
         dst.array[i * chunk:(i + 1) * chunk] = posts[r][me * chunk:(me + 1) * chunk]
 

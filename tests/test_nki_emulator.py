@@ -409,6 +409,13 @@ def test_all_to_all_splits_and_concatenates_dim0():
     got = run_ranks(rank, [(r,) for r in range(3)])
     assert got[1] == [2, 3, 12, 13, 22, 23]  # chunk 1 of every source, in source order
 
+    def uneven(me):
+        rows = 6 if me else 3
+        src, dst = _hbm(np.zeros((rows, 1), np.int32)), _hbm(np.zeros((rows, 1), np.int32))
+        ncc.all_to_all(srcs=[src], dsts=[dst], replica_group=group, collective_dim=0)
+    with pytest.raises(EmulatorError, match="differ in shape"):
+        run_ranks(uneven, [(r,) for r in range(3)])
+
 
 INTER_NODE = nki_emulator.Platform("trn2", ranks_per_node=1)  # every rank on its own instance
 
