@@ -312,7 +312,10 @@ class Tensor:
 
     def ap(self, pattern, offset=0, vector_offset=None, indirect_dim=0, scalar_offset=None, dtype=None):
         if not self.whole:
-            raise EmulatorError(".ap() addresses a whole tensor's storage; call it on the tensor, not a slice")
+            # NkiTensor (2.33) documents .ap() on any view as "a low-level access pattern override" of a
+            # view sharing the tensor's storage, but not where the override's offset counts from; so
+            # this is not emulated (it is not a hardware rule).
+            raise EmulatorError(".ap() on a slice or view is not emulated; call it on the whole tensor")
         if dtype is not None:
             raise EmulatorError("only pattern/offset/scalar_offset/vector_offset/indirect_dim access patterns are emulated")
         if scalar_offset is not None and vector_offset is not None:
