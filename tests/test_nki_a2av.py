@@ -186,12 +186,11 @@ def make_combine_inputs(dtype, ep, seed, hidden=48, top_k=2, empty_rank=None):
     return ranks, capacity
 
 
-@pytest.mark.parametrize("generation", GENERATIONS)
-@pytest.mark.parametrize("ep", [2, 4, 8])
-def test_dispatch_identity_experts_combine_returns_the_weighted_rows(generation, ep):
+@pytest.mark.parametrize("generation,ep,dtype", [(g, ep, "bf16") for g in GENERATIONS for ep in (2, 4, 8)]
+                         + [("trn2", 4, "fp32"), ("trn3", 8, "fp32")])
+def test_dispatch_identity_experts_combine_returns_the_weighted_rows(generation, ep, dtype):
     """dispatch -> identity experts -> combine: every token gets sum_j p[t, j] * its routed row j back,
     on its own rank (the rows of a token differ, so a row returned to the wrong slot shows)."""
-    dtype = "bf16"
     ranks, capacity = make_combine_inputs(dtype, ep, stable_seed("combine", generation, ep), empty_rank=ep - 1)
     replica_group = ReplicaGroup([list(range(ep))])
 
@@ -334,3 +333,29 @@ def test_each_generation_picks_a_documented_exchange():
     assert exchange_for(ReplicaGroup([[0, 1, 2, 3]]), "trn3") == "a2a_slots"  # one device
     assert exchange_for(ReplicaGroup([[0, 4], [1, 5], [2, 6], [3, 7]]), "trn3") == "a2a_slots"  # partial devices
     assert exchange_for(ReplicaGroup([[4, 5, 6, 7, 8, 9, 10, 11]]), "trn3") == "a2av_packed"
+
+
+def test_trn2_receive_buffers_are_ep_times_the_send_buffer(monkeypatch):
+    """Without receive displacements the trn2 exchange sizes dst = EP x src (one slot per source, each
+    as long as the send buffer): what a Trn2 driver is reported to require for all_to_all_v without
+    receive displacements (not in the documentation, so the emulator does not enforce it)."""
+    ncc = nki_a2av.ncc
+    seen = []
+    original = ncc.all_to_all_v
+
+    def recording(srcs, dsts, replica_group, metadata_tensor, **flags):
+        seen.append((srcs[0].shape, dsts[0].shape, len(replica_group.rank_list(ncc.rank_id())), flags["has_rdispls"]))
+        return original(srcs, dsts, replica_group, metadata_tensor, **flags)
+
+    monkeypatch.setattr(ncc, "all_to_all_v", recording)
+    ranks, capacity = make_combine_inputs("bf16", 4, 41)
+    group = ReplicaGroup([[0, 1, 2, 3]])
+
+    def rank(rows, order, counts, probs):
+        recv, _ = permute_a2av(to_kernel(rows), order.numpy(), counts.numpy(), capacity, group)
+        return unpermute_a2av(recv, order.numpy(), counts.numpy(), probs.numpy(), group)
+
+    run_ranks(rank, ranks)
+    assert len(seen) == 8  # a dispatch and a combine on each of 4 ranks
+    for src, dst, ep, has_rdispls in seen:
+        assert not has_rdispls and dst == (ep * src[0], src[1])
