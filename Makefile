@@ -41,6 +41,7 @@ test-gpu:
 
 bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -14,6 +14,6 @@ VARIANTS = {
     "probs_pad128_fp8e4m3_block128_mask": {"dtype": "fp8_e4m3", "routing": "mask", "probs": True, "scale": "block128", "quantize": "none", "pad": 128, "targets": ['triton', 'nki']},
     "probs_pad32_fp8e4m3_mx32_index": {"dtype": "fp8_e4m3", "routing": "index", "probs": True, "scale": "mx32", "quantize": "none", "pad": 32, "targets": ['triton', 'nki']},
     "probs_fp8e5m2_index": {"dtype": "fp8_e5m2", "routing": "index", "probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": ['triton', 'nki']},
-    "probs_pad128_bf16_to_fp8e4m3_block128_mask": {"dtype": "bf16", "routing": "mask", "probs": True, "scale": "none", "quantize": "block128", "pad": 128, "targets": ['triton', 'nki']},
-    "bf16_to_fp8e4m3_mx32_index": {"dtype": "bf16", "routing": "index", "probs": False, "scale": "none", "quantize": "mx32", "pad": 0, "targets": ['triton', 'nki']},
+    "probs_bf16_to_fp8e4m3_block128_index": {"dtype": "bf16", "routing": "index", "probs": True, "scale": "none", "quantize": "block128", "pad": 0, "targets": ['triton', 'nki']},
+    "pad32_bf16_to_fp8e4m3_mx32_mask": {"dtype": "bf16", "routing": "mask", "probs": False, "scale": "none", "quantize": "mx32", "pad": 32, "targets": ['triton', 'nki']},
 }

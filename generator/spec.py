@@ -31,9 +31,9 @@ class Variant:
     routing: str
     probs: bool
     scale: str
-    quantize: str
     pad: int
     targets: tuple[str, ...]
+    quantize: str = "none"
 
     @property
     def name(self) -> str:
@@ -86,8 +86,6 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
         _check_choice(path, where, "targets", target, TARGETS)
     if len(set(targets)) != len(targets):
         _fail(path, where, "targets", f"lists a target twice: {targets!r}")
-    if entry["scale"] != "none" and entry["dtype"] not in FP8_DTYPES:
-        _fail(path, where, "scale", f"scale {entry['scale']!r} needs an fp8 dtype ({', '.join(FP8_DTYPES)}), got dtype {entry['dtype']!r}")
     if entry["quantize"] != "none":
         if entry["dtype"] not in QUANTIZABLE_DTYPES:
             _fail(path, where, "quantize", f"quantize {entry['quantize']!r} needs a dtype to quantise from "
@@ -95,6 +93,8 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
         if entry["scale"] != "none":
             _fail(path, where, "quantize", f"quantize {entry['quantize']!r} computes the scales; it cannot also move "
                   f"scale {entry['scale']!r} (write scale = \"none\")")
+    if entry["scale"] != "none" and entry["dtype"] not in FP8_DTYPES:
+        _fail(path, where, "scale", f"scale {entry['scale']!r} needs an fp8 dtype ({', '.join(FP8_DTYPES)}), got dtype {entry['dtype']!r}")
     variant = Variant(
         dtype=entry["dtype"],
         routing=entry["routing"],

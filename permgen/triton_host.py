@@ -14,7 +14,7 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from .contract import FP8_DTYPES, token_dtype
+from .contract import FP8_DTYPES, out_dtype, scale_columns, scale_dtype, token_dtype
 from .results import RowIdMap, route_words, row_map_words
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
@@ -103,14 +103,23 @@ def _routing_scratch(device, words):
 
     The routing kernel leaves the ticket at zero, and launches on one stream never overlap, so on
     a GPU one buffer per stream is reused instead of zeroing a new one per call. Under CUDA-graph
-    capture, and on the CPU interpreter, a fresh zeroed buffer is used."""
+    capture, and on the CPU interpreter, a fresh zeroed buffer is used.
+
+    The reused buffer is allocated on a side stream: torch.compile's CUDA graphs (mode
+    "reduce-overhead") send the current stream's allocations to their private pool while they warm
+    up, and a buffer of that pool that outlives the call is an error there."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(words, dtype=torch.int32, device=device)
     key = (device.index, driver.active.get_current_stream(device.index))
     scratch = _SCRATCH.get(key)
     if scratch is None or scratch.numel() < words:
-        scratch = _SCRATCH[key] = torch.zeros(max(words, 2 * (0 if scratch is None else scratch.numel())),
-                                              dtype=torch.int32, device=device)
+        current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            scratch = torch.zeros(max(words, 2 * (0 if scratch is None else scratch.numel())),
+                                  dtype=torch.int32, device=device)
+        current.wait_stream(side)
+        scratch.record_stream(current)
+        _SCRATCH[key] = scratch
     return scratch
 
 
@@ -136,6 +145,7 @@ class TritonBackend:
         self.mask = variant["routing"] == "mask"
         self.pad = variant["pad"]
         self.fp8 = variant["dtype"] in FP8_DTYPES
+        self.quantizes = variant["quantize"] != "none"  # float8_e4m3fn rows and their scales out
         self.token_dtype = token_dtype(variant)
         # Compiled kernels run on CUDA tensors; under TRITON_INTERPRET=1 they run on CPU tensors.
         # Decided once: torch.compile traces check_device, and cannot trace an isinstance of a kernel.
@@ -226,10 +236,17 @@ class TritonBackend:
             # fp8 rows move as bytes: Triton's fp8 types need a recent GPU even for a plain copy.
             out = torch.empty((num_rows, hidden), dtype=torch.uint8, device=device)
             tokens = tokens.view(torch.uint8)
+        elif self.quantizes:
+            out = torch.empty((num_rows, hidden), dtype=torch.uint8, device=device)  # written as fp8 bytes
+            if tokens.dtype == torch.bfloat16:
+                tokens = tokens.view(torch.int16)  # widened to fp32 from the bits
         else:
             out = torch.empty((num_rows, hidden), dtype=tokens.dtype, device=device)
         out_probs = None if probs is None else torch.empty(num_rows, dtype=probs.dtype, device=device)
         out_scale = None if scale is None else torch.empty((num_rows, scale.shape[1]), dtype=scale.dtype, device=device)
+        if self.quantizes:
+            out_scale = torch.empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant),
+                                    device=device)
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=cap is not None)
         if zero_programs + num_tokens:
             args = [tokens] + ([] if self.mask else [routing]) + [row_map, scratch, out]
@@ -243,11 +260,16 @@ class TritonBackend:
             if scale is not None:
                 args += [scale, out_scale, scale.shape[1]]
                 meta.update(BLOCK_S=min(_pow2(scale.shape[1]), 256))
+            if self.quantizes:
+                args += [out_scale, out_scale.shape[1]]
+                # The interpreter's fp8 cast does not round to even: the kernel then converts in integers.
+                meta.update(BLOCK_S=min(_pow2(out_scale.shape[1]), 256),
+                            HARDWARE_CAST=isinstance(self.kernels.permute, JITFunction))
             args += [num_tokens, num_rows, hidden, num_blocks, zero_programs, tail_programs]
             _launch(self.kernels.permute, zero_programs + num_tokens, *args, **meta, **zero_meta,
                     num_warps=_NUM_WARPS)
-        if self.fp8:
-            out = out.view(self.token_dtype)
+        if self.fp8 or self.quantizes:
+            out = out.view(out_dtype(self.variant))
         return out, out_probs, out_scale, tokens_per_expert, row_map, num_rows
 
     def unpermute(self, row_id_map, permuted, merging_probs):

@@ -123,6 +123,11 @@ def is_fp8(variant: dict) -> bool:
     return variant["dtype"] in contract.FP8_DTYPES
 
 
+def rows_are_fp8(variant: dict) -> bool:
+    """permute returns fp8 rows (fp8 tokens, or quantised on permute): they carry no gradient."""
+    return is_fp8(variant) or variant["quantize"] != "none"
+
+
 def prob_columns(variant: dict, num_experts: int, k: int) -> int:
     return num_experts if variant["routing"] == "mask" else k
 
@@ -314,7 +319,7 @@ def check_permute_backward(mod, tokens, routing, probs, scale, *, num_experts, n
     Returns (permute's result, grads) for comparisons between runs."""
     v = mod.VARIANT
     hint = {} if topk is None else {"topk": topk}
-    differentiable_tokens = not is_fp8(v) and v["quantize"] == "none"  # quantised rows: see check_straight_through
+    differentiable_tokens = not rows_are_fp8(v)  # quantising variants: tests/test_quantize.py's straight-through test
     if not differentiable_tokens and probs is None:
         res = mod.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=num_out_tokens, **hint)
         for t in (res.tokens, res.scale, res.tokens_per_expert, res.row_id_map.row_map):

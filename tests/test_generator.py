@@ -344,7 +344,9 @@ def test_registry_and_spec_read_one_axis_table():
     assert (spec.DTYPES, spec.ROUTINGS, spec.SCALES, spec.TARGETS, spec.FP8_DTYPES, spec.MAX_PAD) == \
         (contract.DTYPES, contract.ROUTINGS, contract.SCALES, contract.TARGETS, contract.FP8_DTYPES, contract.MAX_PAD)
     assert spec.BUILTIN_DEFAULTS is contract.AXIS_DEFAULTS
-    assert registry.AXIS_CHOICES == {"dtype": contract.DTYPES, "routing": contract.ROUTINGS, "scale": contract.SCALES}
+    assert registry.AXIS_CHOICES == {"dtype": contract.DTYPES, "routing": contract.ROUTINGS, "scale": contract.SCALES,
+                                     "quantize": contract.QUANTIZES}
+    assert (spec.QUANTIZES, spec.QUANTIZABLE_DTYPES) == (contract.QUANTIZES, contract.QUANTIZABLE_DTYPES)
     assert registry.AXIS_DEFAULTS == {k: v for k, v in contract.AXIS_DEFAULTS.items() if k != "targets"}
 
 
@@ -570,7 +572,7 @@ def test_new_index_variant_runs_against_the_reference(user_tree):
     _, out = user_tree
     mod = load_by_path(out / "triton" / "pad64_fp16_index.py", "permgen_user_pad64_fp16_index")
     assert mod.VARIANT == {"name": "pad64_fp16_index", "dtype": "fp16", "routing": "index", "probs": False,
-                           "scale": "none", "pad": 64, "targets": ["triton"]}
+                           "scale": "none", "pad": 64, "targets": ["triton"], "quantize": "none"}
     g = torch.Generator().manual_seed(1234)
     N, H, E, k = 29, 136, 5, 2
     tokens = (torch.randn(N, H, generator=g) * 3).to(torch.float16)

@@ -15,6 +15,8 @@ import pytest
 from generator.spec import (
     DTYPES,
     FP8_DTYPES,
+    QUANTIZABLE_DTYPES,
+    QUANTIZES,
     MAX_PAD,
     ROUTINGS,
     SCALES,
@@ -31,7 +33,7 @@ SPEC_PATH = "specs/team_variants.toml"  # a path that is not the default, so the
 GOOD_PADS = [0] + [2**i for i in range(1, MAX_PAD.bit_length())]
 CANONICAL = re.compile(
     r"^(?P<probs>probs_)?(?:pad(?P<pad>\d+)_)?(?P<dtype>bf16|fp16|fp32|fp8e4m3|fp8e5m2)"
-    r"(?:_(?P<scale>block128|mx32))?_(?P<routing>mask|index)$"
+    r"(?:_(?P<scale>block128|mx32))?(?:_to_fp8e4m3_(?P<quantize>block128|mx32))?_(?P<routing>mask|index)$"
 )
 
 
@@ -78,6 +80,8 @@ def valid_matrix():
     for dtype, routing, probs, pad in itertools.product(DTYPES, ROUTINGS, (False, True), GOOD_PADS):
         for scale in SCALES if dtype in FP8_DTYPES else ("none",):
             yield dict(dtype=dtype, routing=routing, probs=probs, scale=scale, pad=pad)
+        for quantize in QUANTIZES[1:] if dtype in QUANTIZABLE_DTYPES else ():
+            yield dict(dtype=dtype, routing=routing, probs=probs, scale="none", quantize=quantize, pad=pad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +125,7 @@ def test_the_repository_spec_loads():
 def test_axes_is_the_normalised_entry():
     v = Variant("fp8_e5m2", "index", True, "block128", 16, ("triton",))
     assert v.axes() == {"name": "probs_pad16_fp8e5m2_block128_index", "dtype": "fp8_e5m2", "routing": "index",
-                        "probs": True, "scale": "block128", "pad": 16, "targets": ["triton"]}
+                        "probs": True, "scale": "block128", "pad": 16, "targets": ["triton"], "quantize": "none"}
 
 
 @pytest.mark.parametrize("pad", GOOD_PADS)
@@ -229,6 +233,25 @@ def test_scale_needs_an_fp8_dtype(dtype, scale):
     msg = spec_error(spec_text(dict(dtype=dtype, routing="mask", scale=scale)))
     assert_names(msg, "variant #1", "scale")
     assert "fp8" in msg and repr(dtype) in msg
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("quantize", ["block128", "mx32"])
+def test_quantize_needs_a_dtype_to_quantise_from(dtype, quantize):
+    msg = spec_error(spec_text(dict(dtype=dtype, routing="index", quantize=quantize)))
+    assert_names(msg, "variant #1", "quantize")
+    assert "bf16" in msg and repr(dtype) in msg
+
+
+def test_quantize_computes_the_scales_it_cannot_also_move_them():
+    msg = spec_error(spec_text(dict(dtype="bf16", routing="index", quantize="mx32", scale="mx32")))
+    assert_names(msg, "variant #1", "quantize")
+    assert "scale = \"none\"" in msg
+
+
+@pytest.mark.parametrize("value", ["block64", "fp8", True, "None"])
+def test_quantize_values(value):
+    assert_names(spec_error(spec_text(dict(dtype="bf16", routing="index", quantize=value))), "variant #1", "quantize")
 
 
 @pytest.mark.parametrize("targets, words", [
@@ -372,6 +395,10 @@ def test_load_spec_names_the_file(tmp_path):
     (dict(dtype="fp16", routing="index", probs=False, scale="none", pad=64), "pad64_fp16_index"),
     (dict(dtype="fp8_e5m2", routing="index", probs=False, scale="mx32", pad=0), "fp8e5m2_mx32_index"),
     (dict(dtype="fp32", routing="mask", probs=True, scale="none", pad=2), "probs_pad2_fp32_mask"),
+    (dict(dtype="bf16", routing="index", probs=True, scale="none", quantize="block128", pad=0),
+     "probs_bf16_to_fp8e4m3_block128_index"),
+    (dict(dtype="bf16", routing="mask", probs=False, scale="none", quantize="mx32", pad=32),
+     "pad32_bf16_to_fp8e4m3_mx32_mask"),
 ])
 def test_canonical_name_examples(axes, name):
     assert variant_name(Variant(targets=TARGETS, **axes)) == name
@@ -385,7 +412,7 @@ def test_targets_are_not_part_of_the_name():
 
 def test_whole_matrix_names_are_distinct_canonical_identifiers():
     matrix = list(valid_matrix())
-    assert len(matrix) == 3 * 2 * 2 * len(GOOD_PADS) + 2 * 2 * 2 * 3 * len(GOOD_PADS)
+    assert len(matrix) == 3 * 2 * 2 * 3 * len(GOOD_PADS) + 2 * 2 * 2 * 3 * len(GOOD_PADS)
     names = {}
     for axes in matrix:
         name = variant_name(Variant(targets=TARGETS, **axes))
@@ -398,6 +425,7 @@ def test_whole_matrix_names_are_distinct_canonical_identifiers():
         assert int(m["pad"] or 0) == axes["pad"]
         assert m["dtype"] == axes["dtype"].replace("_", "")
         assert (m["scale"] or "none") == axes["scale"]
+        assert (m["quantize"] or "none") == axes.get("quantize", "none")
         assert m["routing"] == axes["routing"]
         assert name not in names, f"{name} from both {names.get(name)} and {axes}"
         names[name] = axes

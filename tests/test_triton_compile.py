@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from cases import Case, combine_dtype, is_fp8, make_inputs, variants_for  # noqa: E402
+from cases import Case, combine_dtype, make_inputs, rows_are_fp8, variants_for  # noqa: E402
 
 TRITON_VARIANTS = variants_for("triton")
 ARCHS = [90, 100]
@@ -49,7 +49,7 @@ def record_launches(module, jit_function_class):
     v = module.VARIANT
     case = Case("aot", N=8, H=300, E=6, k=2)
     tokens, routing, probs, scale = make_inputs(v, case, "cpu", torch.Generator().manual_seed(0))
-    if not is_fp8(v):
+    if not rows_are_fp8(v):
         tokens.requires_grad_()
     if probs is not None:
         probs.requires_grad_()

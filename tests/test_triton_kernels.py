@@ -18,7 +18,7 @@ from cases import (
     check_roundtrip,
     check_unpermute,
     generator_for,
-    is_fp8,
+    rows_are_fp8,
     load,
     make_inputs,
     needed_rows,
@@ -77,7 +77,7 @@ def test_unpermute_without_merging_probs(name, poisoned_empty, request):
 
 @pytest.mark.parametrize("used", ["tokens", "probs"])
 @pytest.mark.parametrize("name", [n for n in TRITON_VARIANTS
-                                  if permgen.VARIANTS[n]["probs"] and not is_fp8(permgen.VARIANTS[n])])
+                                  if permgen.VARIANTS[n]["probs"] and not rows_are_fp8(permgen.VARIANTS[n])])
 def test_permute_backward_through_one_output(name, used, poisoned_empty, request):
     """Only one of permute's outputs feeds the loss: its input gets the right grad, the other none."""
     mod, case = load("triton", name), CASES[0]

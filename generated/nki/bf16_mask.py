@@ -38,7 +38,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-VARIANT = {'name': 'bf16_mask', 'dtype': 'bf16', 'routing': 'mask', 'probs': False, 'scale': 'none', 'quantize': 'none', 'pad': 0, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'bf16_mask', 'dtype': 'bf16', 'routing': 'mask', 'probs': False, 'scale': 'none', 'pad': 0, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 # Tokens (or permuted rows) per tile, one per partition. A literal: nl.tile_size.pmax is a language
 # constant, not a Python int, and P feeds min(), range steps and tile shapes (nki-library hard-codes 128).

@@ -44,7 +44,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-VARIANT = {'name': 'probs_pad128_fp8e4m3_block128_mask', 'dtype': 'fp8_e4m3', 'routing': 'mask', 'probs': True, 'scale': 'block128', 'quantize': 'none', 'pad': 128, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'probs_pad128_fp8e4m3_block128_mask', 'dtype': 'fp8_e4m3', 'routing': 'mask', 'probs': True, 'scale': 'block128', 'pad': 128, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 # Tokens (or permuted rows) per tile, one per partition. A literal: nl.tile_size.pmax is a language
 # constant, not a Python int, and P feeds min(), range steps and tile shapes (nki-library hard-codes 128).

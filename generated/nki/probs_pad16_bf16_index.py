@@ -34,7 +34,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-VARIANT = {'name': 'probs_pad16_bf16_index', 'dtype': 'bf16', 'routing': 'index', 'probs': True, 'scale': 'none', 'quantize': 'none', 'pad': 16, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'probs_pad16_bf16_index', 'dtype': 'bf16', 'routing': 'index', 'probs': True, 'scale': 'none', 'pad': 16, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 # Tokens (or permuted rows) per tile, one per partition. A literal: nl.tile_size.pmax is a language
 # constant, not a Python int, and P feeds min(), range steps and tile shapes (nki-library hard-codes 128).

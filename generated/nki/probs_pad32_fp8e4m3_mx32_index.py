@@ -34,7 +34,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-VARIANT = {'name': 'probs_pad32_fp8e4m3_mx32_index', 'dtype': 'fp8_e4m3', 'routing': 'index', 'probs': True, 'scale': 'mx32', 'quantize': 'none', 'pad': 32, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'probs_pad32_fp8e4m3_mx32_index', 'dtype': 'fp8_e4m3', 'routing': 'index', 'probs': True, 'scale': 'mx32', 'pad': 32, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 # Tokens (or permuted rows) per tile, one per partition. A literal: nl.tile_size.pmax is a language
 # constant, not a Python int, and P feeds min(), range steps and tile shapes (nki-library hard-codes 128).

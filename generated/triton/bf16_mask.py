@@ -25,7 +25,7 @@ from permgen.ep import expert_parallel
 from permgen.ops import Ops
 from permgen.triton_host import TritonBackend, TritonKernels
 
-VARIANT = {'name': 'bf16_mask', 'dtype': 'bf16', 'routing': 'mask', 'probs': False, 'scale': 'none', 'quantize': 'none', 'pad': 0, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'bf16_mask', 'dtype': 'bf16', 'routing': 'mask', 'probs': False, 'scale': 'none', 'pad': 0, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 
 @triton.jit

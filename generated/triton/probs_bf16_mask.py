@@ -24,7 +24,7 @@ import triton.language as tl
 from permgen.ops import Ops
 from permgen.triton_host import TritonBackend, TritonKernels
 
-VARIANT = {'name': 'probs_bf16_mask', 'dtype': 'bf16', 'routing': 'mask', 'probs': True, 'scale': 'none', 'pad': 0, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'probs_bf16_mask', 'dtype': 'bf16', 'routing': 'mask', 'probs': True, 'scale': 'none', 'pad': 0, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 from permgen.ops import Ops
 from permgen.triton_host import TritonBackend, TritonKernels
 
-VARIANT = {'name': 'probs_fp8e5m2_index', 'dtype': 'fp8_e5m2', 'routing': 'index', 'probs': True, 'scale': 'none', 'pad': 0, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'probs_fp8e5m2_index', 'dtype': 'fp8_e5m2', 'routing': 'index', 'probs': True, 'scale': 'none', 'pad': 0, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 
 @triton.jit

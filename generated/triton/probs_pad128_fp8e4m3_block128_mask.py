@@ -24,7 +24,7 @@ import triton.language as tl
 from permgen.ops import Ops
 from permgen.triton_host import TritonBackend, TritonKernels
 
-VARIANT = {'name': 'probs_pad128_fp8e4m3_block128_mask', 'dtype': 'fp8_e4m3', 'routing': 'mask', 'probs': True, 'scale': 'block128', 'pad': 128, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'probs_pad128_fp8e4m3_block128_mask', 'dtype': 'fp8_e4m3', 'routing': 'mask', 'probs': True, 'scale': 'block128', 'pad': 128, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 from permgen.ops import Ops
 from permgen.triton_host import TritonBackend, TritonKernels
 
-VARIANT = {'name': 'probs_pad32_fp8e4m3_mx32_index', 'dtype': 'fp8_e4m3', 'routing': 'index', 'probs': True, 'scale': 'mx32', 'pad': 32, 'targets': ['triton', 'nki']}
+VARIANT = {'name': 'probs_pad32_fp8e4m3_mx32_index', 'dtype': 'fp8_e4m3', 'routing': 'index', 'probs': True, 'scale': 'mx32', 'pad': 32, 'targets': ['triton', 'nki'], 'quantize': 'none'}
 
 
 @triton.jit
