@@ -21,6 +21,7 @@ Arguments, allocation and launches are permgen.triton_host's; autograd is permge
 import triton
 import triton.language as tl
 
+from permgen.ep import expert_parallel
 from permgen.ops import Ops
 from permgen.triton_host import TritonBackend, TritonKernels
 
@@ -654,3 +655,4 @@ def probs_pad128_fp8e4m3_block128_mask_sort_chunks_probs_kernel(
 
 _ops.bind_sort_chunks(probs_pad128_fp8e4m3_block128_mask_sort_chunks_kernel, probs_pad128_fp8e4m3_block128_mask_sort_chunks_probs_kernel)
 sort_chunks = _ops.sort_chunks
+dispatch, combine = expert_parallel(_ops)  # expert parallelism over torch.distributed (permgen.ep)
