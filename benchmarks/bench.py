@@ -297,7 +297,60 @@ def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
     for _ in range(calls):
         graph.replay()
     torch.cuda.synchronize()
-    return dict(eager_us=round(eager, 1), graph_replay_us=round((time.perf_counter() - start) / calls * 1e6, 1))
+    graph_us = (time.perf_counter() - start) / calls * 1e6
+
+    # What a compiled training stack gets: torch.compile's CUDA graphs (cudagraph trees).
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def round_trip(tokens, routing, probs, scale, permuted):
+        return mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
+
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    for _ in range(20):
+        round_trip(tokens, routing, probs, scale, permuted)
+    torch.cuda.synchronize()
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips, "torch.compile skipped CUDA graphs"
+    start = time.perf_counter()
+    for _ in range(calls):
+        round_trip(tokens, routing, probs, scale, permuted)
+    torch.cuda.synchronize()
+    compiled_us = (time.perf_counter() - start) / calls * 1e6
+    return dict(eager_us=round(eager, 1), graph_replay_us=round(graph_us, 1),
+                compiled_reduce_overhead_us=round(compiled_us, 1))
+
+
+CHUNK_SHAPES = [  # name, rows, H, chunks: rows received from 8 ranks, regrouped by (local expert, rank)
+    ("deepseek_v3", 131072, 7168, 256),
+    ("qwen3_moe", 131072, 2048, 128),
+]
+
+
+def chunk_sort(copy_bw):
+    """moe_sort_chunks_by_index against torch.split + torch.cat of the same chunks (what a
+    non-fused all-to-all dispatcher does), both moving every row once, bf16."""
+    results = []
+    for name, rows, H, chunks in CHUNK_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        inp = torch.randn(rows, H, device="cuda", generator=g).to(torch.bfloat16)
+        split_sizes = torch.full((chunks,), rows // chunks, dtype=torch.int64)
+        split_sizes[:chunks // 2] += torch.randint(-(rows // chunks) // 2, rows // chunks // 2, (chunks // 2,))
+        split_sizes[-1] += rows - int(split_sizes.sum())
+        ranks = 8
+        # The regrouping after an all-to-all: chunk (rank r, expert e) goes to position (e, r).
+        sorted_idxs = torch.arange(chunks).view(ranks, chunks // ranks).t().reshape(-1)
+        sizes = split_sizes.tolist()
+        order = sorted_idxs.tolist()
+        ours = permgen.moe_sort_chunks_by_index(inp, split_sizes, sorted_idxs)
+        ref = torch.cat([torch.split(inp, sizes)[i] for i in order])
+        assert torch.equal(ours, ref), "chunk sort differs from torch.split + torch.cat"
+        t_ours = bench(lambda: permgen.moe_sort_chunks_by_index(inp, split_sizes, sorted_idxs))
+        t_torch = bench(lambda: torch.cat([torch.split(inp, sizes)[i] for i in order]))
+        floor = 2 * inp.numel() * inp.element_size() / copy_bw * 1e6
+        row = dict(shape=name, rows=rows, H=H, chunks=chunks, ours_us=round(t_ours, 1), torch_us=round(t_torch, 1),
+                   floor_ratio=round(t_ours / floor, 3), speedup_vs_torch=round(t_torch / t_ours, 2))
+        print(f"chunk sort {name:12s} {rows} rows x {H}, {chunks} chunks: {t_ours:8.1f} us  x{t_ours / floor:.3f} floor  "
+              f"torch.split+cat {t_torch:8.1f} us ({t_torch / t_ours:.2f}x)", flush=True)
+        results.append(row)
+    return results
 
 
 def bookkeeping(mod, N, H, E, k):
@@ -387,13 +440,15 @@ def main():
     for v in args.variants:
         small[v]["autograd_eager_us"] = round_trip_us(load(v), grad=True)["eager_us"]
     print("small-shape permute + unpermute round trip, host-measured us/call:", small)
+    chunks = chunk_sort(copy_bw)
     memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(load(v), 16384, 7168, 256, 8)))
               for v in args.variants}
     print("bookkeeping kept by permute at N=16384, E=256, k=8:", memory)
     summary = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), command="python3 benchmarks/bench.py --out benchmarks/results",
-        copy_gbps=round(copy_bw / 1e9, 1), reference_gbps=references, results=results, small_round_trip_us=small, bookkeeping=memory)
+        copy_gbps=round(copy_bw / 1e9, 1), reference_gbps=references, results=results, small_round_trip_us=small, bookkeeping=memory,
+        chunk_sort=chunks)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(results, args.out / "bench.png", summary["gpu"], broadcast_ratio(summary))
 

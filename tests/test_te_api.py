@@ -158,8 +158,8 @@ def test_index_map(dtype, cap, mode, request):
     token = order // K
     ref_out = inp_r[token]
     weights = p_r.reshape(-1)[order].float()[:, None]
-    ref_merged = torch.zeros(N, H).index_add(0, token, (ref_out * 2).float() * weights).to(tokens.dtype)
-    ref_summed = torch.zeros(N, H).index_add(0, token, ref_out.float()).to(tokens.dtype)
+    ref_merged = torch.zeros(N, H, device=DEVICE).index_add(0, token, (ref_out * 2).float() * weights).to(tokens.dtype)
+    ref_summed = torch.zeros(N, H, device=DEVICE).index_add(0, token, ref_out.float()).to(tokens.dtype)
     assert_bits_equal(out, ref_out, "output")
     assert_close(merged, ref_merged, "merged")
     assert_close(summed, ref_summed, "summed")
