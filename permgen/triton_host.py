@@ -95,31 +95,23 @@ def _launch(kernel, programs, *args, **meta):
         compiled[(programs, 1, 1)](*args, *constexprs, stream=stream)
 
 
-_SCRATCH = {}  # (device, stream) -> permute's routing scratch on that stream
+_SCRATCH = {}  # device index -> permute's routing scratch on that device's default stream
 
 
 def _routing_scratch(device, words):
     """int32 scratch for permute's routing, its first word (the ticket) zero.
 
     The routing kernel leaves the ticket at zero, and launches on one stream never overlap, so on
-    a GPU one buffer per stream is reused instead of zeroing a new one per call. Under CUDA-graph
-    capture, and on the CPU interpreter, a fresh zeroed buffer is used.
-
-    The reused buffer is allocated on a side stream: torch.compile's CUDA graphs (mode
-    "reduce-overhead") send the current stream's allocations to their private pool while they warm
-    up, and a buffer of that pool that outlives the call is an error there."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    a GPU's default stream one buffer is reused instead of zeroing a new one per call. On any other
+    stream, and on the CPU interpreter, a fresh zeroed buffer is used: CUDA graphs are captured on
+    other streams, and torch.compile's (mode "reduce-overhead") also warm up there, with every
+    allocation going to their private pool, where a buffer that outlives the call is an error."""
+    if device.type != "cuda" or driver.active.get_current_stream(device.index) != 0:  # 0: the default stream
         return torch.zeros(words, dtype=torch.int32, device=device)
-    key = (device.index, driver.active.get_current_stream(device.index))
-    scratch = _SCRATCH.get(key)
+    scratch = _SCRATCH.get(device.index)
     if scratch is None or scratch.numel() < words:
-        current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-        with torch.cuda.stream(side):
-            scratch = torch.zeros(max(words, 2 * (0 if scratch is None else scratch.numel())),
-                                  dtype=torch.int32, device=device)
-        current.wait_stream(side)
-        scratch.record_stream(current)
-        _SCRATCH[key] = scratch
+        scratch = _SCRATCH[device.index] = torch.zeros(max(words, 2 * (0 if scratch is None else scratch.numel())),
+                                                       dtype=torch.int32, device=device)
     return scratch
 
 
