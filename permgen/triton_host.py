@@ -120,6 +120,12 @@ def _row_block(t):
     return _ROW_BYTES_PER_WARP * _NUM_WARPS // t.element_size()
 
 
+def _quantize_row_block(hidden):
+    """Columns per step of a quantising permute: a quarter of the row, from 512 to 2048 (H200, bf16 in:
+    at H=7168 2048 columns ran 9% faster than 1024, at H=2048 512 columns 10% faster for block128)."""
+    return max(512, min(2048, _pow2(hidden) // 4))
+
+
 def _block_tokens(width):
     """Tokens per routing block: 1024 route slots, so the serial segment layout sees few blocks."""
     return max(1, 1024 // _pow2(width))
@@ -246,7 +252,7 @@ class TritonBackend:
                         BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
             if not self.mask:
                 meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
-            meta.update(BLOCK_H=_row_block(tokens))
+            meta.update(BLOCK_H=_quantize_row_block(hidden) if self.quantizes else _row_block(tokens))
             if probs is not None:
                 args += [probs, out_probs]
             if scale is not None:
