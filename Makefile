@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU build this project is tested with; the suite needs no GPU.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: generate check list test test-gpu bench clean
+.PHONY: generate check list test test-gpu bench bench-ep clean
 
 $(VENV)/.generator-deps:
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -42,6 +42,10 @@ test-gpu:
 bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
+
+# Expert-parallel dispatch / combine on 2 GPUs over NCCL (tests/test_ep.py runs over NCCL there too).
+bench-ep:
+	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -188,9 +188,9 @@ def _send_row_map(row_id_map, slot_of_row, offsets, counts, num_rows):
     if row_id_map.is_mask:  # a mask row map's slots past a token's route count hold no route
         slot = torch.arange(row_id_map.width, device=dst.device)
         live &= slot[None, :] < row_id_map.route_counts.long()[:, None]
-    dst = torch.where(live, dst, 0).reshape(-1)
-    moved = torch.where(live.reshape(-1), slot_of_row[dst], -1).to(torch.int32)
-    words = dst.shape[0]
+    lookup = torch.cat([slot_of_row, slot_of_row.new_full((1,), -1)])  # index -1: no route (also for 0 rows)
+    moved = lookup[torch.where(live, dst, -1).reshape(-1)].to(torch.int32)
+    words = dst.numel()
     table = torch.cat([offsets, counts]).to(torch.int32)
     rest = row_id_map.row_map[words:route_words(row_id_map.is_mask, row_id_map.num_tokens, row_id_map.width)]
     row_map = torch.cat([moved, rest, table])

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import pytest
@@ -35,34 +36,49 @@ from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_gra
 
 WORLD_SIZES = (2, 4)
 HIDDEN = 40
+# Where the ranks' tensors live: the CPU (gloo, Triton interpreter) unless every rank has a GPU
+# (NCCL, compiled kernels); set in each process by `worker`.
+EP_DEVICE = torch.device("cpu")
+
+
+def on_device(*tensors):
+    return tuple(None if t is None else t.to(EP_DEVICE) for t in tensors)
 
 
 @dataclass(frozen=True)
 class EpCase:
     name: str
-    experts_per_rank: int
+    experts_per_rank: int  # padded variants: always 1 (each local expert is at least pad rows)
     k: int
     tokens: tuple  # tokens of each rank
     capacity: object = None  # rows per rank pair, or None (dropless)
-    silent_last: bool = False  # no token is routed to the last rank's experts (it receives nothing)
+    silent_last: int = 0  # no token is routed to the experts of the last `silent_last` ranks
+    unpadded_only: bool = False  # padded variants skip it (their pad rows cost interpreter time)
 
 
 # Small: the interpreter runs one program per row, and a padded variant's segments are at least pad
-# rows long, so padded variants dominate the time; one local expert per rank except in one case.
+# rows long, so padded variants dominate the time: one local expert per rank except in one case,
+# and the capacity case on 4 ranks for unpadded variants only (every variant runs it on 2 ranks).
 CASES = {
     2: [
-        # Uneven splits, two local experts per rank (the expert-major regroup across sources).
+        # Uneven splits, two local experts per rank (the expert-major regroup across sources;
+        # one for padded variants).
         EpCase("uneven", experts_per_rank=2, k=2, tokens=(7, 3)),
         # Fixed capacity, small enough that some rank pairs overflow.
         EpCase("capacity", experts_per_rank=1, k=2, tokens=(9, 4), capacity=3),
     ],
     4: [
-        # Rank 0 has no tokens (sends nothing); nothing is routed to the last rank (it receives
+        # Rank 0 has no tokens (sends nothing); nothing is routed to ranks 2 and 3 (they receive
         # nothing); the others send uneven splits.
-        EpCase("silent", experts_per_rank=1, k=2, tokens=(0, 4, 3, 5), silent_last=True),
-        EpCase("capacity", experts_per_rank=1, k=2, tokens=(5, 2, 6, 1), capacity=2),
+        EpCase("silent", experts_per_rank=1, k=2, tokens=(0, 4, 3, 5), silent_last=2),
+        EpCase("capacity", experts_per_rank=1, k=2, tokens=(5, 2, 6, 1), capacity=2, unpadded_only=True),
     ],
 }
+
+
+def cases_for(world, name):
+    padded = permgen.VARIANTS[name]["pad"] > 0 and not torch.cuda.is_available()
+    return [replace(c, experts_per_rank=1) if padded else c for c in CASES[world] if not (c.unpadded_only and padded)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +89,7 @@ def global_inputs(v, case, world, seed):
     """Per rank: (tokens, routing, probs, scale, expert ids), all from one seed."""
     g = torch.Generator().manual_seed(seed)
     num_experts = case.experts_per_rank * world
-    reachable = num_experts - case.experts_per_rank if case.silent_last else num_experts
+    reachable = num_experts - case.experts_per_rank * case.silent_last
     ranks = []
     for n in case.tokens:
         tokens = make_tokens(v, n, HIDDEN, g)
@@ -174,7 +190,7 @@ def run_case(mod, case, world, me, group):
     seed = stable_seed("test_ep", world, v["name"], case.name)
     num_experts = case.experts_per_rank * world
     ranks = global_inputs(v, case, world, seed)
-    tokens, routing, probs, scale = ranks[me]
+    tokens, routing, probs, scale = on_device(*ranks[me])
     differentiable = not is_fp8(v) and v["quantize"] == "none"  # fp8 rows out: never differentiated
     tokens = tokens.clone().requires_grad_(differentiable)
     probs = None if probs is None else probs.clone().requires_grad_()
@@ -188,27 +204,36 @@ def run_case(mod, case, world, me, group):
     outputs, grads = [], []
     if differentiable:
         outputs.append(res.tokens)
-        grads.append(random_rows(res.tokens.shape, res.tokens.dtype, seed + 1 + me))
+        grads.append(random_rows(res.tokens.shape, res.tokens.dtype, seed + 1 + me).to(EP_DEVICE))
     if probs is not None:
         outputs.append(res.probs)
-        grads.append(random_rows(res.probs.shape, res.probs.dtype, seed + 11 + me))
+        grads.append(random_rows(res.probs.shape, res.probs.dtype, seed + 11 + me).to(EP_DEVICE))
     inputs = ([tokens] if differentiable else []) + ([probs] if probs is not None else [])
     with poisoned():
         run["dispatch_grads"] = torch.autograd.grad(outputs, inputs, grads) if outputs else ()
     run["dispatch_grad_out"] = grads
     # combine and its backward
-    expert_out = random_rows((num_out, HIDDEN), cdt, seed + 21 + me).requires_grad_()
+    expert_out = random_rows((num_out, HIDDEN), cdt, seed + 21 + me).to(EP_DEVICE).requires_grad_()
     merging = None
     if v["probs"]:
-        merging = torch.rand(probs.shape, generator=torch.Generator().manual_seed(seed + 31 + me)).requires_grad_()
+        merging = torch.rand(probs.shape, generator=torch.Generator().manual_seed(seed + 31 + me))
+        merging = merging.to(EP_DEVICE).requires_grad_()
     with poisoned():
         out = mod.combine(expert_out, res.handle, merging)
-    grad_out = random_rows(out.shape, out.dtype, seed + 41 + me)
+    grad_out = random_rows(out.shape, out.dtype, seed + 41 + me).to(EP_DEVICE)
     with poisoned():
         run["combine_grads"] = torch.autograd.grad(out, [expert_out] + ([merging] if merging is not None else []),
                                                    grad_out)
     run.update(out=out, expert_out=expert_out.detach(), merging=None if merging is None else merging.detach(),
                combine_grad_out=grad_out)
+    # The checks run on the CPU.
+    run["res"] = res._replace(tokens=res.tokens.cpu(), probs=None if res.probs is None else res.probs.cpu(),
+                              scale=None if res.scale is None else res.scale.cpu(),
+                              tokens_per_expert=res.tokens_per_expert.cpu())
+    for key in ("dispatch_grads", "combine_grads", "dispatch_grad_out"):
+        run[key] = [g.cpu() for g in run[key]]
+    for key in ("out", "expert_out", "merging", "combine_grad_out"):
+        run[key] = None if run[key] is None else run[key].cpu()
     return run
 
 
@@ -239,7 +264,11 @@ def check_case(mod, case, world, me, run, gathered):
         assert_bits_equal(res.scale, want["scale"], "dispatched scales")
     else:
         assert res.scale is None
-    assert res.dropped.tolist() == [dropped[src][me] for src in range(world)], res.dropped
+    # The send buffer's row map (what combine and the backward passes read): a consistent segment table.
+    send_map = res.handle.send_map
+    offsets, counts = send_map.segment_offsets.long().cpu(), send_map.segment_counts.long().cpu()
+    assert offsets[0] >= 0 and offsets[-1] <= send_map.num_rows and bool((offsets[1:] >= offsets[:-1] + counts).all())
+    assert res.handle.dropped.tolist() == [dropped[src][me] for src in range(world)], res.dropped
     if case.capacity is not None:
         assert sum(map(sum, dropped)) > 0, "the capacity case must overflow somewhere"
 
@@ -301,10 +330,11 @@ def check_bad_input(mod, group, world):
     num_experts = 2 * world
     g = torch.Generator().manual_seed(5)
     tokens = make_tokens(v, 4, HIDDEN, g)
-    routing = routing_from_ids(v, expert_ids(4, num_experts, 2, g), num_experts)
+    # No routes: the one valid dispatch below (for combine's handle) moves nothing.
+    routing = routing_from_ids(v, torch.full((4, 2), -1, dtype=torch.int32), num_experts)
     probs = torch.rand(4, prob_columns(v, num_experts, 2), generator=g) if v["probs"] else None
     scale = make_scale(v, 4, HIDDEN, g)
-    args = (tokens, routing, probs, scale)
+    tokens, routing, probs, scale = args = on_device(tokens, routing, probs, scale)
     kw = dict(group=group, num_experts=num_experts)
     expect = [
         (TypeError, "ProcessGroup", dict(kw, group="world")),
@@ -324,21 +354,72 @@ def check_bad_input(mod, group, world):
     res = mod.dispatch(*args, **kw)
     cdt = combine_dtype(v)
     with pytest.raises(TypeError, match="handle"):
-        mod.combine(torch.zeros(res.tokens.shape, dtype=cdt), object())
+        mod.combine(torch.zeros(res.tokens.shape, dtype=cdt, device=EP_DEVICE), object())
     with pytest.raises(ValueError, match="expert_out"):
-        mod.combine(torch.zeros(res.tokens.shape[0] + 1, HIDDEN, dtype=cdt), res.handle)
+        mod.combine(torch.zeros(res.tokens.shape[0] + 1, HIDDEN, dtype=cdt, device=EP_DEVICE), res.handle)
     with pytest.raises(TypeError, match="expert_out"):
-        mod.combine(torch.zeros(res.tokens.shape, dtype=torch.float64), res.handle)
+        mod.combine(torch.zeros(res.tokens.shape, dtype=torch.float64, device=EP_DEVICE), res.handle)
     other = load("triton", next(n for n in variants_for("triton") if n != v["name"]))
     with pytest.raises(ValueError, match="handle comes from"):
-        other.combine(torch.zeros(res.tokens.shape, dtype=combine_dtype(other.VARIANT)), res.handle)
+        other.combine(torch.zeros(res.tokens.shape, dtype=combine_dtype(other.VARIANT), device=EP_DEVICE), res.handle)
+
+
+def check_no_host_sync(mod, group, world, me):
+    """GPU: capacity mode makes no host synchronisation (forward and backward), and dispatch +
+    combine captured in a CUDA graph and replayed on new inputs give the eager results."""
+    v = mod.VARIANT
+    case = CASES[world][-1]
+    num_experts = case.experts_per_rank * world
+    inputs = [on_device(*r) for r in global_inputs(v, case, world, stable_seed("no_host_sync", world, v["name"]))]
+    fresh = [on_device(*r) for r in global_inputs(v, case, world, stable_seed("no_host_sync2", world, v["name"]))]
+    kw = dict(group=group, num_experts=num_experts, recv_capacity=case.capacity)
+    cdt = combine_dtype(v)
+
+    def layer(tokens, routing, probs, scale):
+        res = mod.dispatch(tokens, routing, probs, scale, **kw)
+        expert_out = res.tokens.to(cdt) * 2
+        return res, mod.combine(expert_out, res.handle, probs)
+
+    tokens, routing, probs, scale = inputs[me]
+    differentiable = not is_fp8(v) and v["quantize"] == "none"
+    leaf = tokens.clone().requires_grad_(differentiable)
+    leaf_probs = None if probs is None else probs.clone().requires_grad_()
+    layer(leaf, routing, leaf_probs, scale)  # compile and warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        res, out = layer(leaf, routing, leaf_probs, scale)
+        wanted = [t for t in (leaf, leaf_probs) if t is not None and t.requires_grad]
+        if wanted:
+            torch.autograd.grad(out.float().sum(), wanted)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # A CUDA graph of the forward layer, replayed on new inputs.
+    static = [None if t is None else t.clone() for t in inputs[me]]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_res, graph_out = layer(*static)
+    for dst, src in zip(static, fresh[me]):
+        if dst is not None:
+            dst.copy_(src)
+    graph.replay()
+    eager_res, eager_out = layer(*fresh[me])
+    torch.cuda.synchronize()
+    assert_bits_equal(graph_res.tokens, eager_res.tokens, "graph replay: dispatched tokens")
+    assert_bits_equal(graph_out, eager_out, "graph replay: combined")
 
 
 def nki_comparison_run(mod, group, world, me):
     """The Triton dispatch of the inputs test_triton_dispatch_matches_nki_permute_a2av rebuilds."""
     ids, tokens, num_experts = nki_inputs(world)[me]
     probs = torch.rand(ids.shape, generator=torch.Generator().manual_seed(me)) if mod.VARIANT["probs"] else None
-    return mod.dispatch(tokens, ids, probs, group=group, num_experts=num_experts).tokens
+    tokens, ids, probs = on_device(tokens, ids, probs)
+    return mod.dispatch(tokens, ids, probs, group=group, num_experts=num_experts).tokens.cpu()
 
 
 def nki_inputs(world):
@@ -358,9 +439,16 @@ def nki_inputs(world):
 # ---------------------------------------------------------------------------------------------
 
 def worker(me, world, outdir):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=me, world_size=world,
+    global EP_DEVICE
+    gpus = torch.cuda.device_count()
+    if gpus >= world:
+        EP_DEVICE = torch.device("cuda", me)
+        torch.cuda.set_device(EP_DEVICE)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        torch.set_num_threads(1)
+    torch.distributed.init_process_group("nccl" if gpus >= world else "gloo", init_method=f"file://{outdir}/store",
+                                         rank=me, world_size=world, device_id=EP_DEVICE if gpus >= world else None,
                                          timeout=timedelta(seconds=int(os.environ.get("PERMGEN_EP_TIMEOUT", "120"))))
     group = torch.distributed.group.WORLD
     results = {}
@@ -370,7 +458,9 @@ def worker(me, world, outdir):
             if only and name not in only.split(","):
                 continue
             mod = load("triton", name)
-            for case in CASES[world]:
+            for case in cases_for(world, name):
+                if os.environ.get("PERMGEN_EP_CASE", case.name) != case.name:
+                    continue
                 key = f"{name}-{case.name}"
                 try:
                     run = run_case(mod, case, world, me, group)
@@ -396,6 +486,13 @@ def worker(me, world, outdir):
                     except Exception:  # noqa: BLE001
                         run_error = traceback.format_exc()
                 results[key] = run_error
+            if EP_DEVICE.type == "cuda":
+                key = f"{name}-no_host_sync"
+                try:
+                    check_no_host_sync(mod, group, world, me)
+                    results[key] = None
+                except Exception:  # noqa: BLE001
+                    results[key] = traceback.format_exc()
             key = f"{name}-bad_input"
             try:
                 check_bad_input(mod, group, world)
@@ -408,6 +505,7 @@ def worker(me, world, outdir):
                                   and not permgen.VARIANTS[n]["pad"]))
         torch.save(nki_comparison_run(mod, group, world, me), f"{outdir}/nki_{me}.pt")
     finally:
+        results["_cpu_seconds"] = time.process_time()  # this rank's CPU time, reported by the parent
         with open(f"{outdir}/rank{me}.json", "w") as f:
             json.dump(results, f)
         torch.distributed.destroy_process_group()
@@ -418,11 +516,21 @@ _RESULTS = {}
 
 def results_for(world):
     """Start `world` processes once and run every case; {key: None | error per rank}."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks need {world} GPUs (NCCL runs one rank per GPU)")
     if world not in _RESULTS:
         import torch.multiprocessing as mp
 
         outdir = tempfile.mkdtemp(prefix=f"permgen_ep{world}_")
-        mp.start_processes(worker, args=(world, outdir), nprocs=world, join=True, start_method="spawn")
+        if torch.cuda.is_available():
+            method = "spawn"  # a fork server would have touched CUDA before forking
+        else:  # the ranks fork from one process that imported torch, Triton and the kernels once
+            import multiprocessing
+
+            method = "forkserver"
+            multiprocessing.set_forkserver_preload(
+                ["test_ep"] + [f"permgen.generated.triton.{name}" for name in variants_for("triton")])
+        mp.start_processes(worker, args=(world, outdir), nprocs=world, join=True, start_method=method)
         per_rank = []
         for r in range(world):
             with open(f"{outdir}/rank{r}.json") as f:
@@ -432,8 +540,10 @@ def results_for(world):
     return _RESULTS[world]
 
 
+GPU_ONLY = ["no_host_sync"] if torch.cuda.is_available() else []
 PARAMS = [pytest.param(world, f"{name}-{case}", id=f"{world}-{name}-{case}") for world in WORLD_SIZES
-          for name in variants_for("triton") for case in [c.name for c in CASES[world]] + ["bad_input"]]
+          for name in variants_for("triton")
+          for case in [c.name for c in cases_for(world, name)] + ["bad_input"] + GPU_ONLY]
 
 
 @pytest.mark.parametrize("world,key", PARAMS)
