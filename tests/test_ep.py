@@ -6,8 +6,9 @@ Each world size starts its processes once (importing torch and Triton is the slo
 every variant and case inside them; each (world size, variant, case) is then reported as its own
 test. Every rank builds all ranks' inputs from the same replayable seed, so it computes the whole
 reference itself. Moved data (rows, probs, scales, prob grads routed back) is compared bit for
-bit, sums with tolerances; outputs start poisoned. On a GPU machine the same cases run over NCCL
-in benchmarks/ep_gpu_check.py.
+bit, sums with tolerances; outputs start poisoned. With as many GPUs as ranks the same cases run
+over NCCL with compiled kernels, plus capacity mode under torch.cuda.set_sync_debug_mode("error")
+and a CUDA-graph replay (check_no_host_sync); world sizes beyond the GPU count are skipped there.
 
 Also: the Triton dispatch against the NKI dispatch (`permute_a2av`, emulator) on identical inputs.
 """
