@@ -331,19 +331,22 @@ def chunk_sort(copy_bw):
     for name, rows, H, chunks in CHUNK_SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
         inp = torch.randn(rows, H, device="cuda", generator=g).to(torch.bfloat16)
-        split_sizes = torch.full((chunks,), rows // chunks, dtype=torch.int64)
-        split_sizes[:chunks // 2] += torch.randint(-(rows // chunks) // 2, rows // chunks // 2, (chunks // 2,))
-        split_sizes[-1] += rows - int(split_sizes.sum())
+        # Uneven chunks (random cut points), as the per-(rank, expert) counts of a real dispatch are.
+        cuts = torch.randint(0, rows + 1, (chunks - 1,), generator=torch.Generator().manual_seed(0)).sort().values
+        split_sizes = torch.diff(torch.cat((torch.tensor([0]), cuts, torch.tensor([rows]))))
         ranks = 8
         # The regrouping after an all-to-all: chunk (rank r, expert e) goes to position (e, r).
         sorted_idxs = torch.arange(chunks).view(ranks, chunks // ranks).t().reshape(-1)
         sizes = split_sizes.tolist()
         order = sorted_idxs.tolist()
+        def torch_sort():
+            pieces = torch.split(inp, sizes)
+            return torch.cat([pieces[i] for i in order])
+
         ours = permgen.moe_sort_chunks_by_index(inp, split_sizes, sorted_idxs)
-        ref = torch.cat([torch.split(inp, sizes)[i] for i in order])
-        assert torch.equal(ours, ref), "chunk sort differs from torch.split + torch.cat"
+        assert torch.equal(ours, torch_sort()), "chunk sort differs from torch.split + torch.cat"
         t_ours = bench(lambda: permgen.moe_sort_chunks_by_index(inp, split_sizes, sorted_idxs))
-        t_torch = bench(lambda: torch.cat([torch.split(inp, sizes)[i] for i in order]))
+        t_torch = bench(torch_sort)
         floor = 2 * inp.numel() * inp.element_size() / copy_bw * 1e6
         row = dict(shape=name, rows=rows, H=H, chunks=chunks, ours_us=round(t_ours, 1), torch_us=round(t_torch, 1),
                    floor_ratio=round(t_ours / floor, 3), speedup_vs_torch=round(t_torch / t_ours, 2))
