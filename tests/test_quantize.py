@@ -6,10 +6,14 @@ token grads are unpermute(grad_rows) -- the sum kernel bf16 variants' permute ba
 prob grads come back through autograd.
 """
 
+import importlib.util
+
 import pytest
 import torch
 
 import permgen
+from generator import render_all, write_all
+from generator.spec import parse_spec
 from cases import (
     assert_bits_equal,
     assert_sum_close,
@@ -28,6 +32,21 @@ from reference import permute_grads_ref, plan_routes, quantize_ref
 QUANTIZING = {target: [n for n in variants_for(target) if permgen.VARIANTS[n]["quantize"] != "none"]
               for target in ("triton", "nki")}
 TARGET_VARIANTS = [(t, n) for t, names in QUANTIZING.items() for n in names]
+# The other dtypes the axis takes, with the other scale kind, routing and padding than the spec's
+# variants: generated into a temporary folder by the test.
+OTHER_DTYPES_SPEC = """
+[[variant]]
+dtype = "fp16"
+routing = "mask"
+quantize = "block128"
+pad = 8
+
+[[variant]]
+dtype = "fp32"
+routing = "index"
+probs = false
+quantize = "mx32"
+"""
 
 
 def edge_tokens(num_tokens: int, hidden: int, dtype, generator) -> torch.Tensor:
@@ -55,6 +74,7 @@ def edge_tokens(num_tokens: int, hidden: int, dtype, generator) -> torch.Tensor:
 
 
 def _inputs(mod, target, generator, num_tokens=24, hidden=200, num_experts=6, k=3):
+    """tokens (edge_tokens), routing and probs for the variant on the target's device, and E."""
     v = mod.VARIANT
     tokens = edge_tokens(num_tokens, hidden, torch.bfloat16 if v["dtype"] == "bf16" else
                          getattr(torch, {"fp16": "float16", "fp32": "float32"}[v["dtype"]]), generator)
@@ -129,3 +149,28 @@ def test_scale_argument_refused(target, name):
     probs = torch.rand(routing.shape, device=tokens.device) if mod.VARIANT["probs"] else None
     with pytest.raises(ValueError, match="computes its .* scales; pass no scale"):
         mod.permute(tokens, routing, probs, torch.ones(2, 1, device=tokens.device), num_experts=2)
+
+
+@pytest.fixture(scope="module")
+def other_dtype_modules(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quantize_dtypes")
+    variants = parse_spec(OTHER_DTYPES_SPEC, "quantize_dtypes.toml")
+    write_all(render_all(variants), out)
+    modules = {}
+    for v in variants:
+        for target in v.targets:
+            spec = importlib.util.spec_from_file_location(f"quantize_{target}_{v.name}", out / target / f"{v.name}.py")
+            modules[target, v.name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(modules[target, v.name])
+    return modules
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+@pytest.mark.parametrize("name", ["probs_pad8_fp16_to_fp8e4m3_block128_mask", "fp32_to_fp8e4m3_mx32_index"])
+def test_fp16_and_fp32_tokens(target, name, other_dtype_modules, poisoned_empty, request):
+    """fp16 and fp32 tokens quantise by the same definitions (in fp16 the edge rows beyond its range are Inf blocks)."""
+    mod = other_dtype_modules[target, name]
+    g = generator_for(request)
+    (tokens, routing, probs), num_experts = _inputs(mod, target, g, num_tokens=16, hidden=72)
+    check_roundtrip(mod, target, tokens, routing, probs, None, num_experts=num_experts, num_out_tokens=None,
+                    generator=g)
