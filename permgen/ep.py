@@ -16,17 +16,19 @@ Received rows are grouped by local expert; within an expert by source rank, then
 slot): the rows single-rank `permute` gives over all ranks' tokens concatenated in rank order,
 restricted to this rank's experts. Padded variants pad on the receiver: each local expert's
 segment, all sources together, is padded to a multiple of pad with zero rows, as single-rank
-permute pads it (the sender's per-expert padding is not sent). combine runs the
-same steps backwards (the inverse gather, the reverse all-to-all) and merges with the variant's
-unpermute. Both are differentiable: the backward pass of one is the other's data path.
+permute pads it (the sender's per-expert padding is not sent). combine runs the same steps
+backwards (the inverse gather, the reverse all-to-all) and merges with the variant's unpermute
+kernels, which read the send buffer directly through a copy of permute's row map whose routes
+point at their send rows (`send_map`; dropped routes at -1). Both are differentiable: the
+backward pass of one is the other's data path, then permute's (unpermute's) backward kernels over
+the same map.
 
 Two modes:
 
 - dropless (recv_capacity=None): the route counts per expert are counted on the device,
   exchanged with one small all-to-all, and read back once (send and receive split sizes
   together: the one device-to-host read, as Megatron's all-to-all dispatcher does). Nothing is
-  dropped. Padded variants send their segments as permute pads them (at most pad - 1 zero rows
-  per expert travel); the receiver drops those and pads each local expert's merged segment.
+  dropped.
 - fixed capacity (recv_capacity=C): C is per rank pair. Each rank sends every other rank (and
   itself) exactly C rows, so all split sizes are static: no host synchronisation, capturable in a
   CUDA graph. A sender keeps, per destination, its first C rows in its packed order (local expert,
