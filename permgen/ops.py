@@ -76,7 +76,16 @@ def chunk_rows(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
     if split_sizes.shape != sorted_idxs.shape:
         raise ValueError(f"{where}: split_sizes {list(split_sizes.shape)} and sorted_idxs "
                          f"{list(sorted_idxs.shape)} must have one entry per chunk")
-    sizes = split_sizes.to(device=device, dtype=torch.int64)
+    if split_sizes.device.type == "cpu" and not torch.compiler.is_compiling():  # checked without a device sync
+        if bool((split_sizes < 0).any()) or int(split_sizes.sum()) != num_rows:
+            raise ValueError(f"{where}: split_sizes must be non-negative and sum to the {num_rows} rows, got "
+                             f"{split_sizes.tolist()}")
+    if sorted_idxs.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not torch.equal(torch.sort(sorted_idxs.long()).values, torch.arange(sorted_idxs.shape[0])):
+            raise ValueError(f"{where}: sorted_idxs must order the {sorted_idxs.shape[0]} chunks (a permutation of "
+                             f"0..{sorted_idxs.shape[0] - 1}), got {sorted_idxs.tolist()}")
+    # On the device the sizes are not read back: a negative one counts as empty (no device assert).
+    sizes = split_sizes.to(device=device, dtype=torch.int64).clamp(min=0)
     order = sorted_idxs.to(device=device, dtype=torch.int64)
     starts = torch.cumsum(sizes, 0) - sizes
     out_sizes = sizes[order]

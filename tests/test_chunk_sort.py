@@ -86,3 +86,9 @@ def test_sort_chunks_checks_its_arguments():
         mod.sort_chunks(tokens, torch.tensor([2, 2]), torch.tensor([0]))
     with pytest.raises(TypeError, match="dtype"):
         mod.sort_chunks(tokens.float(), torch.tensor([4]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="non-negative and sum to the 4 rows"):
+        mod.sort_chunks(tokens, torch.tensor([5, -1]), torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="non-negative and sum to the 4 rows"):
+        mod.sort_chunks(tokens, torch.tensor([1, 2]), torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="a permutation of 0..1"):
+        mod.sort_chunks(tokens, torch.tensor([2, 2]), torch.tensor([1, 1]))
