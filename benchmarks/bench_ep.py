@@ -19,7 +19,9 @@ rank's time (median over `--reps` repetitions):
                   experts (the rows one rank moves), for the target "time beyond the all-to-all <=
                   the single-GPU permute (unpermute) time"
 
-Writes bench_ep.json, bench_ep.txt and bench_ep.png (with matplotlib) into --out.
+Writes bench_ep.json, bench_ep.txt and bench_ep.png (with matplotlib) into --out. `--cpu-smoke`
+runs the same script on tiny shapes over gloo under the Triton interpreter (no GPU): it checks the
+script, not the speed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -40,25 +43,36 @@ sys.path.insert(0, str(ROOT))
 import permgen  # noqa: E402
 
 SHAPES = [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8)]  # name, N, H, E, k
+SMOKE_SHAPES = [("smoke", 48, 40, 8, 2)]  # --cpu-smoke: the script's own logic, checked without GPUs
 VARIANT = dict(dtype="bf16", routing="index", probs=True)
 CAPACITY_SLACK = 1.25  # recv_capacity = this x the mean rows per rank pair
 
 
+DEVICE = "cuda"  # "cpu" with --cpu-smoke: tiny shapes over gloo under the Triton interpreter
+
+
 def timed(fn, group, iters, reps):
     """Slowest rank's mean time per call (us), median over reps."""
-    for _ in range(3):
+    for _ in range(1 if DEVICE == "cpu" else 3):
         fn()
-    torch.cuda.synchronize()
     samples = []
     for _ in range(reps):
         dist.barrier(group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end) / iters * 1e3], device="cuda")
+        if DEVICE == "cpu":
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            elapsed_us = (time.perf_counter() - start) / iters * 1e6
+        else:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            elapsed_us = start.elapsed_time(end) / iters * 1e3
+        t = torch.tensor([elapsed_us], device=DEVICE)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         samples.append(t.item())
     return sorted(samples)[len(samples) // 2]
@@ -104,9 +118,9 @@ def torch_combine(expert_out, state, merging_probs, group, world):
 
 
 def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
-    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    tokens = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
-    logits = torch.randn(N, E, device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(1234 + rank)
+    tokens = torch.randn(N, H, device=DEVICE, generator=g).to(torch.bfloat16)
+    logits = torch.randn(N, E, device=DEVICE, generator=g)
     top, ids = logits.softmax(-1).topk(k, dim=-1)
     ids = ids.to(torch.int32)
     probs = top.contiguous()
@@ -119,16 +133,19 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     rows["sent"], rows["received"] = sum(send), sum(recv)
     rows["sent_remote"] = sum(s for d, s in enumerate(send) if d != rank)
     row_bytes = H * tokens.element_size()
-    send_buf = torch.empty((sum(send), H), dtype=tokens.dtype, device="cuda")
-    recv_buf = torch.empty((sum(recv), H), dtype=tokens.dtype, device="cuda")
-    expert_out = torch.randn(res.tokens.shape, device="cuda", generator=g).to(torch.bfloat16)
+    send_buf = torch.empty((sum(send), H), dtype=tokens.dtype, device=DEVICE)
+    recv_buf = torch.empty((sum(recv), H), dtype=tokens.dtype, device=DEVICE)
+    expert_out = torch.randn(res.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
     capacity = int(CAPACITY_SLACK * N * k / world)
     cap_res = mod.dispatch(tokens, ids, probs, group=group, num_experts=E, recv_capacity=capacity)
-    cap_out = torch.randn(cap_res.tokens.shape, device="cuda", generator=g).to(torch.bfloat16)
+    cap_out = torch.randn(cap_res.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
     nat_out, nat_probs, nat_state = torch_dispatch(tokens, ids, probs, E, group, world)
-    assert torch.equal(nat_out, res.tokens) and torch.equal(nat_probs, res.probs), "PyTorch path disagrees"
+    assert torch.equal(nat_out, res.tokens) and torch.equal(nat_probs, res.probs), "PyTorch dispatch disagrees"
+    ours, theirs = mod.combine(expert_out, h, probs).float(), torch_combine(expert_out, nat_state, probs, group,
+                                                                             world).float()
+    assert torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2 * float(ours.abs().max())), "PyTorch combine disagrees"
     single = mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=N * k)
-    single_out = torch.randn(single.tokens.shape, device="cuda", generator=g).to(torch.bfloat16)
+    single_out = torch.randn(single.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
 
     def bare_a2a():
         dist.all_to_all_single(recv_buf, send_buf, recv, send, group=group)
@@ -147,7 +164,7 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     }
     times = {op: timed(fn, group, iters, reps) for op, fn in ops.items()}
     dropped = int(cap_res.handle.dropped.sum())
-    dist.all_reduce(t := torch.tensor([dropped], device="cuda"), group=group)
+    dist.all_reduce(t := torch.tensor([dropped], device=DEVICE), group=group)
     return dict(shape=name, N=N, H=H, E=E, k=k, local_experts=local, capacity=capacity,
                 capacity_dropped_rows=int(t.item()), rows=rows, row_bytes=row_bytes,
                 a2a_bytes_per_rank=rows["sent"] * row_bytes, remote_bytes_per_rank=rows["sent_remote"] * row_bytes,
@@ -183,7 +200,8 @@ def estimate_ep64(r, gbps_inter=50.0, gbps_intra=400.0, local_overhead_us=None):
 
 
 def report(results, gpu, world):
-    lines = [f"permgen expert parallelism, {world} x {gpu}, NCCL, variant {results[0]['variant']}", ""]
+    lines = [f"permgen expert parallelism, {world} x {gpu}, {dist.get_backend()}, variant {results[0]['variant']}",
+             ""]
     head = ("shape", "a2a", "dispatch", "disp cap", "combine", "comb cap", "torch disp", "torch comb", "permute",
             "unpermute")
     lines.append("times in us (slowest rank, median):")
@@ -235,7 +253,13 @@ def main(rank=None, world=None, args=None):
         parser.add_argument("--iters", type=int, default=10)
         parser.add_argument("--reps", type=int, default=5)
         parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+        parser.add_argument("--cpu-smoke", action="store_true",
+                            help="tiny shapes on the CPU over gloo under the Triton interpreter (no GPU needed)")
         args = parser.parse_args()
+    global DEVICE
+    if args.cpu_smoke:
+        DEVICE = "cpu"
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
     if rank is None and "RANK" not in os.environ:  # not under torchrun: spawn the ranks here
         import torch.multiprocessing as mp
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -244,13 +268,17 @@ def main(rank=None, world=None, args=None):
         return
     if rank is None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", torch.cuda.current_device()))
+    if DEVICE == "cpu":
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
     group = dist.group.WORLD
     mod = permgen.get_kernel("triton", **VARIANT)
     results = []
-    for name, N, H, E, k in SHAPES:
-        if name not in args.shapes.split(","):
+    for name, N, H, E, k in SMOKE_SHAPES if DEVICE == "cpu" else SHAPES:
+        if DEVICE != "cpu" and name not in args.shapes.split(","):
             continue
         r = run_shape(name, N, H, E, k, mod, group, rank, world, args.iters, args.reps)
         r["variant"] = mod.VARIANT["name"]
@@ -259,10 +287,10 @@ def main(rank=None, world=None, args=None):
         if rank == 0:
             print(json.dumps(r), flush=True)
     if rank == 0:
-        gpu = torch.cuda.get_device_name()
+        gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)"
         args.out.mkdir(parents=True, exist_ok=True)
         meta = dict(gpu=gpu, world=world, torch=torch.__version__, python=platform.python_version(),
-                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+                    nccl=".".join(map(str, torch.cuda.nccl.version())) if DEVICE == "cuda" else None)
         (args.out / "bench_ep.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
         text = report(results, gpu, world)
         (args.out / "bench_ep.txt").write_text(text)
