@@ -515,23 +515,41 @@ def worker(me, world, outdir):
 _RESULTS = {}
 
 
+def _run_ranks(world, outdir):
+    import torch.multiprocessing as mp
+
+    if torch.cuda.is_available():
+        method = "spawn"  # a fork server would have touched CUDA before forking
+    else:  # the ranks fork from one process that imported torch, Triton and the kernels once
+        import multiprocessing
+
+        method = "forkserver"
+        multiprocessing.set_forkserver_preload(
+            ["test_ep"] + [f"permgen.generated.triton.{name}" for name in variants_for("triton")])
+    mp.start_processes(worker, args=(world, outdir), nprocs=world, join=True, start_method=method)
+
+
 def results_for(world):
-    """Start `world` processes once and run every case; {key: None | error per rank}."""
+    """Start `world` processes once per test run and run every case; ({key: [error or None per
+    rank]}, the NKI comparison's dispatched rows per rank). Under pytest-xdist the workers share
+    one run through a directory named after the test run, the first to get its lock runs it."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"{world} ranks need {world} GPUs (NCCL runs one rank per GPU)")
     if world not in _RESULTS:
-        import torch.multiprocessing as mp
+        run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        if run_id:
+            import fcntl
 
-        outdir = tempfile.mkdtemp(prefix=f"permgen_ep{world}_")
-        if torch.cuda.is_available():
-            method = "spawn"  # a fork server would have touched CUDA before forking
-        else:  # the ranks fork from one process that imported torch, Triton and the kernels once
-            import multiprocessing
-
-            method = "forkserver"
-            multiprocessing.set_forkserver_preload(
-                ["test_ep"] + [f"permgen.generated.triton.{name}" for name in variants_for("triton")])
-        mp.start_processes(worker, args=(world, outdir), nprocs=world, join=True, start_method=method)
+            outdir = os.path.join(tempfile.gettempdir(), f"permgen_ep_{run_id}_{world}")
+            os.makedirs(outdir, exist_ok=True)
+            with open(os.path.join(outdir, "lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not os.path.exists(os.path.join(outdir, "done")):
+                    _run_ranks(world, outdir)
+                    open(os.path.join(outdir, "done"), "w").close()
+        else:
+            outdir = tempfile.mkdtemp(prefix=f"permgen_ep{world}_")
+            _run_ranks(world, outdir)
         per_rank = []
         for r in range(world):
             with open(f"{outdir}/rank{r}.json") as f:
