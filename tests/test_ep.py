@@ -77,6 +77,16 @@ CASES = {
 }
 
 
+SUBGROUP_CASE = EpCase("subgroups", experts_per_rank=2, k=2, tokens=(5, 3))
+
+
+def plain_variant():
+    """A bf16, index-routed, unpadded variant: the NKI comparison's and the subgroup case's."""
+    return next(n for n, v in permgen.VARIANTS.items()
+                if "triton" in v["targets"] and v["dtype"] == "bf16" and v["routing"] == "index" and not v["pad"]
+                and v["quantize"] == "none")
+
+
 def cases_for(world, name):
     padded = permgen.VARIANTS[name]["pad"] > 0 and not torch.cuda.is_available()
     return [replace(c, experts_per_rank=1) if padded else c for c in CASES[world] if not (c.unpadded_only and padded)]
@@ -195,9 +205,11 @@ def run_case(mod, case, world, me, group):
     differentiable = not is_fp8(v) and v["quantize"] == "none"  # fp8 rows out: never differentiated
     tokens = tokens.clone().requires_grad_(differentiable)
     probs = None if probs is None else probs.clone().requires_grad_()
+    # Mask routing in capacity mode sizes its send buffer by topk: with it on 2 ranks, without on 4.
+    hint = dict(topk=case.k) if v["routing"] == "mask" and case.capacity is not None and world == 2 else {}
     with poisoned():
         res = mod.dispatch(tokens, routing, probs, scale, group=group, num_experts=num_experts,
-                           recv_capacity=case.capacity)
+                           recv_capacity=case.capacity, **hint)
     num_out = res.tokens.shape[0]
     cdt = combine_dtype(v)
     run = dict(res=res, ranks=ranks, num_out=num_out, differentiable=differentiable)
@@ -439,6 +451,33 @@ def nki_inputs(world):
 # The processes
 # ---------------------------------------------------------------------------------------------
 
+def run_and_check(mod, case, world, me, group):
+    """One case on this rank: every collective first (all ranks take part even after an error),
+    then the checks; returns None or the error."""
+    try:
+        run = run_case(mod, case, world, me, group)
+        error = None
+    except Exception:  # noqa: BLE001 -- reported per case by the parent
+        run, error = None, traceback.format_exc()
+    # Every rank's random data, for the global reference.
+    mine = None
+    if run is not None:
+        grads_out = list(run["dispatch_grad_out"])
+        mine = dict(dispatch_grad_tokens=grads_out.pop(0) if run["differentiable"] else None,
+                    dispatch_grad_probs=grads_out.pop(0) if grads_out else None,
+                    expert_out=run["expert_out"], merging=run["merging"], combine_grad_out=run["combine_grad_out"])
+    everyone = all_gather_objects(group, mine, world)
+    if error is None and any(x is None for x in everyone):
+        error = "another rank failed this case"
+    if error is None:
+        gathered = {key: (None if everyone[0][key] is None else [x[key] for x in everyone]) for key in everyone[0]}
+        try:
+            check_case(mod, case, world, me, run, gathered)
+        except Exception:  # noqa: BLE001
+            error = traceback.format_exc()
+    return error
+
+
 def worker(me, world, outdir):
     global EP_DEVICE
     gpus = torch.cuda.device_count()
@@ -462,31 +501,7 @@ def worker(me, world, outdir):
             for case in cases_for(world, name):
                 if os.environ.get("PERMGEN_EP_CASE", case.name) != case.name:
                     continue
-                key = f"{name}-{case.name}"
-                try:
-                    run = run_case(mod, case, world, me, group)
-                    run_error = None
-                except Exception:  # noqa: BLE001 -- reported per case by the parent
-                    run, run_error = None, traceback.format_exc()
-                # Every rank's random data, for the global reference (all ranks take part even after an error).
-                mine = None
-                if run is not None:
-                    grads_out = list(run["dispatch_grad_out"])
-                    mine = dict(dispatch_grad_tokens=grads_out.pop(0) if run["differentiable"] else None,
-                                dispatch_grad_probs=grads_out.pop(0) if grads_out else None,
-                                expert_out=run["expert_out"], merging=run["merging"],
-                                combine_grad_out=run["combine_grad_out"])
-                everyone = all_gather_objects(group, mine, world)
-                if run_error is None and any(x is None for x in everyone):
-                    run_error = "another rank failed this case"
-                if run_error is None:
-                    gathered = {key_: (None if everyone[0][key_] is None else [x[key_] for x in everyone])
-                                for key_ in everyone[0]}
-                    try:
-                        check_case(mod, case, world, me, run, gathered)
-                    except Exception:  # noqa: BLE001
-                        run_error = traceback.format_exc()
-                results[key] = run_error
+                results[f"{name}-{case.name}"] = run_and_check(mod, case, world, me, group)
             if EP_DEVICE.type == "cuda":
                 key = f"{name}-no_host_sync"
                 try:
@@ -501,10 +516,14 @@ def worker(me, world, outdir):
             except Exception:  # noqa: BLE001
                 results[key] = traceback.format_exc()
             torch.distributed.barrier(group)
-        mod = load("triton", next(n for n in variants_for("triton")
-                                  if permgen.VARIANTS[n]["dtype"] == "bf16" and permgen.VARIANTS[n]["routing"] == "index"
-                                  and not permgen.VARIANTS[n]["pad"]))
+        mod = load("triton", plain_variant())
         torch.save(nki_comparison_run(mod, group, world, me), f"{outdir}/nki_{me}.pt")
+        if world == 4:
+            # Two groups of two ranks each, interleaved ([0, 2] and [1, 3]): the experts are split
+            # over each group's ranks in group order, and the groups run at once.
+            subgroups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+            results[f"{mod.VARIANT['name']}-subgroups"] = run_and_check(mod, SUBGROUP_CASE, 2, me // 2,
+                                                                       subgroups[me % 2])
     finally:
         results["_cpu_seconds"] = time.process_time()  # this rank's CPU time, reported by the parent
         with open(f"{outdir}/rank{me}.json", "w") as f:
@@ -563,6 +582,7 @@ GPU_ONLY = ["no_host_sync"] if torch.cuda.is_available() else []
 PARAMS = [pytest.param(world, f"{name}-{case}", id=f"{world}-{name}-{case}") for world in WORLD_SIZES
           for name in variants_for("triton")
           for case in [c.name for c in cases_for(world, name)] + ["bad_input"] + GPU_ONLY]
+PARAMS.append(pytest.param(4, f"{plain_variant()}-subgroups", id=f"4-{plain_variant()}-subgroups"))
 
 
 @pytest.mark.parametrize("world,key", PARAMS)
