@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -575,6 +576,8 @@ def results_for(world):
                 per_rank.append(json.load(f))
         _RESULTS[world] = ({k: [p.get(k) for p in per_rank] for k in per_rank[0]},
                            [torch.load(f"{outdir}/nki_{r}.pt") for r in range(world)])
+        if not run_id:
+            shutil.rmtree(outdir, ignore_errors=True)
     return _RESULTS[world]
 
 
