@@ -367,3 +367,16 @@ def check_roundtrip(mod, target, tokens, routing, probs, scale, *, num_experts, 
     assert_permute_matches(mod, res, ref, routing)
     out, unpermute_grads = check_unpermute(mod, target, res, ref[-1], routing.shape, generator, merge=merge)
     return res, (out, *permute_grads, *unpermute_grads)
+
+
+def poison(t):
+    """Fill a fresh tensor with what no kernel writes: NaN (fp8 too), True, or the largest int."""
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+        t.view(torch.uint8).fill_(0x7F)  # NaN in both fp8 formats
+    elif t.dtype.is_floating_point:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+    return t

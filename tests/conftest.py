@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from cases import HAS_CUDA  # noqa: E402
+from cases import HAS_CUDA, poison  # noqa: E402
 
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
@@ -35,21 +35,9 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "permgen"))
 
 
-def _poison(t):
-    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
-        t.view(torch.uint8).fill_(0x7F)  # NaN in both fp8 formats
-    elif t.dtype.is_floating_point:
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    else:
-        t.fill_(torch.iinfo(t.dtype).max)
-    return t
-
-
 @pytest.fixture
 def poisoned_empty(monkeypatch):
     """Every torch.empty / empty_like the kernels' host code makes starts as NaN or a huge int."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(real_empty_like(*a, **k)))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))

@@ -32,8 +32,8 @@ import permgen
 from permgen.contract import scale_kind
 
 from cases import (PROB_GRAD_TOL, assert_bits_equal, assert_products_equal, assert_sum_close, combine_dtype,
-                   expert_ids, is_fp8, load, make_scale, make_tokens, prob_columns, routing_from_ids, stable_seed,
-                   variants_for)
+                   expert_ids, is_fp8, load, make_scale, make_tokens, poison, prob_columns, routing_from_ids,
+                   stable_seed, variants_for)
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
 WORLD_SIZES = (2, 4)
@@ -168,24 +168,12 @@ def expected(v, ranks, routings, world, me, num_experts, num_out):
 # One case on one rank: every collective first, then the checks
 # ---------------------------------------------------------------------------------------------
 
-def _poison(t):
-    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
-        t.view(torch.uint8).fill_(0x7F)
-    elif t.dtype.is_floating_point:
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    else:
-        t.fill_(torch.iinfo(t.dtype).max)
-    return t
-
-
 @contextmanager
 def poisoned():
     """Every torch.empty / empty_like allocation starts as NaN or a huge int."""
     empty, empty_like = torch.empty, torch.empty_like
-    torch.empty = lambda *a, **k: _poison(empty(*a, **k))
-    torch.empty_like = lambda *a, **k: _poison(empty_like(*a, **k))
+    torch.empty = lambda *a, **k: poison(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
     try:
         yield
     finally:
