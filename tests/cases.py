@@ -7,6 +7,7 @@ torch.Generator and then moved, so a case is the same on every device and target
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -16,6 +17,12 @@ from permgen import contract
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
 HAS_CUDA = torch.cuda.is_available()
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # e.g. the expert-parallel ranks, which skip conftest.py
+    import interpreter_patch
+
+    interpreter_patch.install()
+
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")  # where the Triton target runs; NKI runs on CPU tensors
 META = torch.device("meta")
 LOOKUP_AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad")

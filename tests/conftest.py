@@ -19,6 +19,10 @@ from cases import HAS_CUDA, poison  # noqa: E402
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_patch  # noqa: E402
+
+    interpreter_patch.install()
 
 # Property tests replay: examples derive from the test, not from a clock; no deadline, since an
 # interpreted kernel's first call compiles nothing but still takes its time. Few examples on the
