@@ -29,8 +29,7 @@ def install():
     if original is None or scope_class is None:  # another Triton layout: leave it alone
         return
     active = []  # the language modules patched in the launch in progress (launches do not nest)
-
-    seen = {}
+    seen = {}  # fn -> the language modules its globals hold
 
     def langs_of(fn):
         langs = seen.get(fn)
@@ -48,8 +47,10 @@ def install():
             active[-1] |= langs
             return scope
         scope = original(fn)
+        restore = getattr(scope, "restore", None)
+        if restore is None:  # another Triton layout: this launch runs as the interpreter has it
+            return scope
         active.append(langs)
-        restore = scope.restore
 
         def restore_and_leave():
             active.pop()
