@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import neuron_ops
-from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype
+from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype, scale_kind
 from .results import RowIdMap, row_map_words
 
 # The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
@@ -103,7 +103,7 @@ class NkiBackend:
         self.name = variant["name"]
         self.mask = variant["routing"] == "mask"
         self.fp8 = variant["dtype"] in FP8_DTYPES
-        self.quantizes = variant["quantize"] != "none"  # float8_e4m3fn rows and their scales out
+        self.has_scale = scale_kind(variant) != "none"  # permute returns scales (moved, or computed)
         self.combine_dtype = combine_dtype(variant)
 
     def check_device(self, tokens):
@@ -174,9 +174,8 @@ class NkiBackend:
         if num_tokens == 0:  # no routes: empty segments, zero rows
             out = torch.zeros((num_rows, hidden), dtype=out_dtype(self.variant), device=device)
             out_probs = None if probs is None else torch.zeros(num_rows, dtype=probs.dtype, device=device)
-            out_scale = None if scale is None else torch.zeros((num_rows, scale.shape[1]), dtype=scale.dtype,
-                                                               device=device)
-            if self.quantizes:
+            out_scale = None  # the scales moved with the rows (fp8 variants), or computed (quantising variants)
+            if self.has_scale:
                 out_scale = torch.zeros((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant),
                                         device=device)
             row_map = torch.zeros(row_map_words(self.mask, 0, width, num_experts), dtype=torch.int32, device=device)
@@ -190,7 +189,7 @@ class NkiBackend:
                               num_out_tokens=capacity))
         out = outs.pop(0)[:num_rows, :hidden]
         out_probs = None if probs is None else outs.pop(0)[:num_rows]
-        out_scale = None if scale is None and not self.quantizes else outs.pop(0)[:num_rows, :0 if hidden == 0 else None]
+        out_scale = outs.pop(0)[:num_rows, :0 if hidden == 0 else None] if self.has_scale else None
         row_map, tokens_per_expert = outs
         spare = row_map_words(self.mask, num_tokens, width, num_experts) - row_map.shape[0]
         if spare:  # an index map is allocated as whole rows (permgen.results.row_map_words)

@@ -14,7 +14,7 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from .contract import FP8_DTYPES, out_dtype, scale_columns, scale_dtype, token_dtype
+from .contract import FP8_DTYPES, out_dtype, scale_columns, scale_dtype, scale_kind, token_dtype
 from .results import RowIdMap, route_words, row_map_words
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
@@ -145,6 +145,7 @@ class TritonBackend:
         self.pad = variant["pad"]
         self.fp8 = variant["dtype"] in FP8_DTYPES
         self.quantizes = variant["quantize"] != "none"  # float8_e4m3fn rows and their scales out
+        self.has_scale = scale_kind(variant) != "none"  # permute returns scales (moved, or computed)
         self.token_dtype = token_dtype(variant)
         # Compiled kernels run on CUDA tensors; under TRITON_INTERPRET=1 they run on CPU tensors.
         # Decided once: torch.compile traces check_device, and cannot trace an isinstance of a kernel.
@@ -242,8 +243,8 @@ class TritonBackend:
         else:
             out = torch.empty((num_rows, hidden), dtype=tokens.dtype, device=device)
         out_probs = None if probs is None else torch.empty(num_rows, dtype=probs.dtype, device=device)
-        out_scale = None if scale is None else torch.empty((num_rows, scale.shape[1]), dtype=scale.dtype, device=device)
-        if self.quantizes:
+        out_scale = None  # the scales moved with the rows (fp8 variants), or computed (quantising variants)
+        if self.has_scale:
             out_scale = torch.empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant),
                                     device=device)
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=cap is not None)
@@ -263,7 +264,7 @@ class TritonBackend:
                 args += [out_scale, out_scale.shape[1]]
                 # The interpreter's fp8 cast does not round to even: the kernel then converts in integers.
                 meta.update(BLOCK_S=min(_pow2(out_scale.shape[1]), 256),
-                            HARDWARE_CAST=isinstance(self.kernels.permute, JITFunction))
+                            HARDWARE_CAST=self.device_type == "cuda")
             args += [num_tokens, num_rows, hidden, num_blocks, zero_programs, tail_programs]
             _launch(self.kernels.permute, zero_programs + num_tokens, *args, **meta, **zero_meta,
                     num_warps=_NUM_WARPS)
