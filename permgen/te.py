@@ -25,10 +25,11 @@ import warnings
 
 import torch
 
+from .contract import AXES, TOKEN_DTYPE_NAMES
 from .registry import get_kernel, variants
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-           torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+# torch dtype -> the dtype axis of the variants that move it
+_DTYPES = {getattr(torch, name): axis for axis, name in TOKEN_DTYPE_NAMES.items()}
 _MAP_TYPES = ("mask", "index")
 
 
@@ -209,7 +210,7 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
 # Chunk sort
 # ---------------------------------------------------------------------------------------------
 
-_AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad")
+_AXES = tuple(a for a in AXES if a != "targets")  # the axes get_kernel looks a variant up by
 
 
 def _load_chunk_sort_modules() -> dict:
