@@ -277,21 +277,24 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             raise EmulatorError(f"nc_matmul {what} must be 2-d")
         if t.dtype not in _core.MATMUL_DTYPES:
             raise EmulatorError(f"nc_matmul {what} dtype {t.dtype} is not a Tensor Engine input type")
-        # float8_e4m3fn is a NeuronCore-v4 (Trainium3) Tensor Engine format: the NeuronCore-v3 input types
-        # are float8_e4m3 / float8_e5m2 / bfloat16 / float16 / tfloat32 / float32 (nki.isa.nc_matmul,
-        # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.26.1/nki/api/generated/nki.isa.nc_matmul.html),
-        # and the e4m3fn formats arrive with NeuronCore-v4 (nki.language.float8_e4m3fn_x4, 2.30: "for
-        # nki.isa.nc_matmul_mx on NeuronCore-v4"; issue #11's review of the 2.33 nc_matmul page).
+        # Input types (nki.isa.nc_matmul, "Data types": the 2.33 page,
+        # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.nc_matmul.html,
+        # whose text is the nc_matmul docstring of aws-neuron-sdk's nki/api/nki/isa/__init__.py):
+        # float8_e4m3 / float8_e5m2 / bfloat16 / float16 / tfloat32 / float32, and float8_e4m3fn
+        # starting NeuronCore-v4.
         if t.dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
             raise EmulatorError(f"nc_matmul {what} is float8_e4m3fn, a NeuronCore-v4 format; this platform is "
                                 f"{_core.platform().generation} (NeuronCore-v{_core.platform().nc_version})")
-    # The Tensor Engine multiplies fp32 by fp32 only: an fp32 input cannot pair with a narrower one
-    # (nki.isa.nc_matmul, 2.33, dtype combinations, as reviewed in issue #11; the table itself was not
-    # reachable when this rule was written).
+    # Same page: the two inputs may differ in dtype, except that a float32 input needs a float32 partner
+    # and legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed.
     if (stationary.dtype == np.float32) != (moving.dtype == np.float32):
         raise EmulatorError(f"nc_matmul input dtypes {stationary.dtype} x {moving.dtype}: fp32 pairs only with fp32")
-    if not isinstance(dst, Tensor) or dst.buffer is not PSUM or dst.dtype != np.float32:
-        raise EmulatorError("nc_matmul dst must be an fp32 PSUM tile")
+    if {stationary.dtype, moving.dtype} == {_core.float8_e4m3, _core.float8_e4m3fn}:
+        raise EmulatorError("nc_matmul cannot mix float8_e4m3 and float8_e4m3fn inputs")
+    # Same page: dst is a float32 tile on NeuronCore-v2/v3; starting NeuronCore-v4 float32 or bfloat16.
+    dst_dtypes = (np.float32,) if _core.platform().nc_version < 4 else (np.float32, _core.bfloat16)
+    if not isinstance(dst, Tensor) or dst.buffer is not PSUM or dst.dtype not in dst_dtypes:
+        raise EmulatorError("nc_matmul dst must be an fp32 PSUM tile" + ("" if len(dst_dtypes) == 1 else " or bf16"))
     if is_transpose or accumulate:
         raise EmulatorError("transpose/accumulate matmul modes are not emulated")
     k, m = stationary.shape

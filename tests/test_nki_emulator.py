@@ -303,6 +303,11 @@ def test_matmul_layout_and_dtype_rules():
         run(body, f8_a, f8_b)
     with nki_emulator.on(nki_emulator.Platform("trn3")):
         np.testing.assert_allclose(run(body, f8_a, f8_b), f8_a.astype(np.float32).T @ f8_b.astype(np.float32), rtol=1e-5)
+        # NeuronCore-v4: legacy float8_e4m3 and OCP float8_e4m3fn do not mix; a bf16 dst is allowed.
+        with pytest.raises(EmulatorError, match="cannot mix float8_e4m3 and float8_e4m3fn"):
+            run(body, a.astype(ml_dtypes.float8_e4m3), f8_b)
+        want = (bf_a.astype(np.float32).T @ bf_b.astype(np.float32)).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(run(lambda a, b: body(a, b, psum_dtype=nl.bfloat16), bf_a, bf_b), want)
     with pytest.raises(EmulatorError, match="free sizes"):
         run(lambda a, b: body(a, b, dst_shape=(2, 4)), np.zeros((2, 129), np.float32), np.zeros((2, 4), np.float32))
 
