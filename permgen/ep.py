@@ -10,7 +10,7 @@ tokens to the rank owning its expert and returns, on each rank, the rows of its 
          buffer (row gather kernel): pad rows never travel; in capacity mode each destination's
          rows fill a fixed slot
       -> all_to_all_single of the rows (probs, scales beside them), split sizes per rank
-      -> regroup the received rows expert-major (row gather kernel: the variant's chunk sort kernel)
+      -> regroup the received rows expert-major (the variant's row gather kernel)
 
 Received rows are grouped by local expert; within an expert by source rank, then token (then
 slot): the rows single-rank `permute` gives over all ranks' tokens concatenated in rank order,
@@ -38,7 +38,7 @@ Two modes:
   rank, the rows routed to this rank that did not fit. Mask routing sizes the sender's buffer by
   its routes per token: pass topk (permute's hint) or it is sized for num_experts routes per token.
 
-Row gathers use the variant's generated chunk-sort kernel (out[r] = src[rows[r]]) on the rows'
+Row gathers use the variant's generated row gather kernel (out[r] = src[rows[r]]) on the rows'
 bytes, so one compiled kernel serves tokens, expert outputs, gradients and scales; rows with no
 source (padding, empty slots) read a zero row appended to the source. The collectives move bytes,
 so every dtype goes through gloo (CPU) and NCCL (GPU) alike.
@@ -96,8 +96,7 @@ def _gather_rows(ops, rows, src):
     if src.dim() == 1:
         return src.index_select(0, rows)
     moved = src.contiguous().view(torch.uint8)
-    out, _ = ops.backend.sort_chunks(rows, moved, None)
-    return out.view(src.dtype)
+    return ops.backend.gather_rows(rows, moved).view(src.dtype)
 
 
 def _row_bytes(t):

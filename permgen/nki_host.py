@@ -31,6 +31,7 @@ import torch
 
 from . import neuron_ops
 from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype, scale_kind
+from .ops import chunk_table
 from .results import RowIdMap, row_map_words
 
 # The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
@@ -248,7 +249,23 @@ class NkiBackend:
     def bind_sort_chunks(self, rows_kernel, rows_and_probs_kernel=None):
         self.sort_chunks_kernels = (rows_kernel, rows_and_probs_kernel)
 
-    def sort_chunks(self, rows, tokens, probs):
+    def chunk_table(self, split_sizes, sorted_idxs):
+        return chunk_table(split_sizes, sorted_idxs)
+
+    def sort_chunks(self, table, inverse, tokens, probs):
+        """The chunk sort by a chunk table (permgen.ops.chunk_table; inverse: its undoing half) as a
+        row gather: each output row's source row found on the host by a sorted search."""
+        starts, sources = table[2:] if inverse else table[:2]
+        num_rows = tokens.shape[0]
+        rows = torch.arange(num_rows, dtype=torch.int32, device=tokens.device)
+        chunk = torch.searchsorted(starts, rows, right=True) - 1  # starts[0] = 0: every row has one
+        source = sources[chunk] + rows - starts[chunk]
+        moved = (chunk < starts.shape[0] - 1) & (source < num_rows)  # rows past the chunks' total: zeros
+        out, out_probs = self._gather_rows(torch.where(moved, source, 0), tokens, probs)
+        out = out.view(torch.uint8).masked_fill(~moved[:, None], 0).view(out.dtype)  # as bytes: fp8 too
+        return out, None if out_probs is None else out_probs.masked_fill(~moved, 0)
+
+    def _gather_rows(self, rows, tokens, probs):
         """out[r] = tokens[rows[r]] (and probs); kernels take no empty tensors, so none runs for N = 0."""
         rows_kernel, rows_and_probs_kernel = self.sort_chunks_kernels
         num_rows, hidden = tokens.shape

@@ -14,8 +14,10 @@ as `torch.library` custom ops; a backend only allocates and launches. Backend me
         -> (grad_tokens | None, grad_probs | None)
     unpermute_backward(row_id_map, grad_out, permuted | None, merging_probs | None)
         -> (grad_permuted, grad_probs | None)
-    bind_sort_chunks(rows_kernel, rows_and_probs_kernel=None)
-    sort_chunks(rows, tokens, probs | None) -> (out, out_probs | None)    out[r] = tokens[rows[r]]
+    bind_sort_chunks(*kernels)            the module's chunk sort kernels
+    chunk_table(split_sizes, sorted_idxs) -> int32 [4, C + 1]    (layout: chunk_table below)
+    sort_chunks(table, inverse, tokens, probs | None) -> (out, out_probs | None)
+    gather_rows(rows, src) -> out    out[r] = src[rows[r]] (Triton; expert parallelism, permgen.ep)
 
 Custom ops. Each variant registers, in the `permgen` namespace and under the prefix
 `<target>_<variant>_` (e.g. `permgen::triton_probs_bf16_mask_permute`):
@@ -30,8 +32,9 @@ Custom ops. Each variant registers, in the `permgen` namespace and under the pre
                               -> (grad_tokens ([N, 0] without grad_out), grad_probs)
     unpermute_backward_probs (row_map, grad_out, permuted, merging_probs, ...) -> (grad_permuted, grad_probs)
   and, once the module binds its chunk sort kernels (bind_sort_chunks):
-    sort_chunks              (tokens, rows, inverse) -> out
-    sort_chunks_probs        (tokens, probs, rows, inverse) -> (out, out_probs)     variants with probs
+    chunk_table              (split_sizes, sorted_idxs) -> table
+    sort_chunks              (tokens, table, inverse) -> out
+    sort_chunks_probs        (tokens, probs, table, inverse) -> (out, out_probs)     variants with probs
 
 Only tensors and ints cross an op boundary: the row map travels as its int32 tensor and
 `RowIdMap` is rebuilt in Python from the static sizes. permute and unpermute carry registered
@@ -66,9 +69,9 @@ def _prefix(target: str, name: str) -> str:
     return prefix
 
 
-def chunk_rows(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
-    """(rows, inverse), int32 [num_rows] each: output row r of the chunk sort is input row rows[r],
-    and input row i lands at inverse[i]. Built with torch ops (traceable; no host sync)."""
+def chunk_arguments(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
+    """split_sizes and sorted_idxs checked (fully when they are on the CPU: no device sync) and on
+    the device of the rows."""
     where = variant["name"]
     for name, t in (("split_sizes", split_sizes), ("sorted_idxs", sorted_idxs)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
@@ -76,26 +79,47 @@ def chunk_rows(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
     if split_sizes.shape != sorted_idxs.shape:
         raise ValueError(f"{where}: split_sizes {list(split_sizes.shape)} and sorted_idxs "
                          f"{list(sorted_idxs.shape)} must have one entry per chunk")
-    if split_sizes.device.type == "cpu" and not torch.compiler.is_compiling():  # checked without a device sync
+    compiling = torch.compiler.is_compiling()
+    if split_sizes.device.type == "cpu" and not compiling:
         if bool((split_sizes < 0).any()) or int(split_sizes.sum()) != num_rows:
             raise ValueError(f"{where}: split_sizes must be non-negative and sum to the {num_rows} rows, got "
                              f"{split_sizes.tolist()}")
-    if sorted_idxs.device.type == "cpu" and not torch.compiler.is_compiling():
+    if sorted_idxs.device.type == "cpu" and not compiling:
         if not torch.equal(torch.sort(sorted_idxs.long()).values, torch.arange(sorted_idxs.shape[0])):
             raise ValueError(f"{where}: sorted_idxs must order the {sorted_idxs.shape[0]} chunks (a permutation of "
                              f"0..{sorted_idxs.shape[0] - 1}), got {sorted_idxs.tolist()}")
-    # On the device the sizes are not read back: a negative one counts as empty (no device assert).
-    sizes = split_sizes.to(device=device, dtype=torch.int64).clamp(min=0)
-    order = sorted_idxs.to(device=device, dtype=torch.int64)
-    starts = torch.cumsum(sizes, 0) - sizes
+    return _to_device(split_sizes, device, compiling), _to_device(sorted_idxs, device, compiling)
+
+
+def _to_device(t, device, compiling):
+    if t.device == device:
+        return t
+    if device.type == "cuda" and not compiling:
+        # From pinned memory the copy is asynchronous: the host does not wait for the device.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def chunk_table(split_sizes, sorted_idxs):
+    """The chunk sort's table, int32 [4, C + 1], with torch ops (the NKI target's; the Triton target
+    computes the same in one kernel program). Rows 0, 1: output chunk j's first row in the output
+    and in the input (output chunk j is input chunk sorted_idxs[j]); rows 2, 3: input chunk i's
+    first row in the input and in the output. Entry C of rows 0 and 2 is the chunks' total, of rows
+    1 and 3 zero. Rows 0 and 2 ascend, so a row's chunk is found by binary search; rows 2, 3 undo
+    the sort. On the device nothing is read back: a negative size counts as empty, an index out of
+    range is clamped."""
+    num_chunks = split_sizes.shape[0]
+    sizes = split_sizes.long().clamp(min=0)
+    order = sorted_idxs.long().clamp(0, max(num_chunks - 1, 0))
+    total = sizes.sum().reshape(1)
+    in_starts = torch.cumsum(sizes, 0) - sizes
     out_sizes = sizes[order]
     out_starts = torch.cumsum(out_sizes, 0) - out_sizes
-    chunk = torch.repeat_interleave(torch.arange(order.shape[0], device=device), out_sizes, output_size=num_rows)
-    rows = starts[order][chunk] + torch.arange(num_rows, device=device) - out_starts[chunk]
-    # Sizes that do not sum to N would make rows out of range: clamped, nothing is read out of bounds.
-    rows = rows.clamp(0, max(num_rows - 1, 0))
-    inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(num_rows, device=device))
-    return rows.to(torch.int32), inverse.to(torch.int32)
+    zero = total.new_zeros(1)
+    table = torch.stack((torch.cat((out_starts, total)), torch.cat((in_starts[order], zero)),
+                         torch.cat((in_starts, total)),
+                         torch.cat((torch.zeros_like(sizes).scatter(0, order, out_starts), zero))))
+    return table.to(torch.int32)
 
 
 def _define_op(qualname, impl, schema):
@@ -328,56 +352,68 @@ class Ops:
     # -- chunk sort --------------------------------------------------------------------------------
 
     def bind_sort_chunks(self, *kernels):
-        """Give the backend the variant's chunk sort kernels (rows; with probs also rows and probs) and
-        register the ops `sort_chunks` (tokens, rows, inverse) -> out and, with probs,
-        `sort_chunks_probs` (tokens, probs, rows, inverse) -> (out, out_probs). The backward pass of
-        each is the same op with rows and inverse swapped."""
+        """Give the backend the variant's chunk sort kernels and register the ops
+        `chunk_table` (split_sizes, sorted_idxs) -> table, `sort_chunks` (tokens, table, inverse)
+        -> out and, with probs, `sort_chunks_probs` (tokens, probs, table, inverse) -> (out,
+        out_probs). The backward pass of a sort is the same op with inverse flipped."""
         self.backend.bind_sort_chunks(*kernels)
-        defs = {"sort_chunks": (self._sort_chunks_impl, self._sort_chunks_fake,
-                                "(Tensor tokens, Tensor rows, Tensor inverse) -> Tensor")}
+        defs = {"chunk_table": (self._chunk_table_impl, self._chunk_table_fake,
+                                "(Tensor split_sizes, Tensor sorted_idxs) -> Tensor"),
+                "sort_chunks": (self._sort_chunks_impl, self._sort_chunks_fake,
+                                "(Tensor tokens, Tensor table, bool inverse) -> Tensor")}
         if self.has_probs:
             defs["sort_chunks_probs"] = (self._sort_chunks_probs_impl, self._sort_chunks_probs_fake,
-                                         "(Tensor tokens, Tensor probs, Tensor rows, Tensor inverse) "
+                                         "(Tensor tokens, Tensor probs, Tensor table, bool inverse) "
                                          "-> (Tensor out, Tensor out_probs)")
         self._define(defs)
         self._register_autograd("sort_chunks", self._sort_chunks_backward, self._sort_chunks_setup)
         if self.has_probs:
             self._register_autograd("sort_chunks_probs", self._sort_chunks_probs_backward, self._sort_chunks_setup)
 
-    def _sort_chunks_impl(self, tokens, rows, inverse):
-        return self.backend.sort_chunks(rows, tokens.contiguous(), None)[0]
+    def _chunk_table_impl(self, split_sizes, sorted_idxs):
+        return self.backend.chunk_table(split_sizes, sorted_idxs)
 
-    def _sort_chunks_fake(self, tokens, rows, inverse):
+    def _chunk_table_fake(self, split_sizes, sorted_idxs):
+        return split_sizes.new_empty((4, split_sizes.shape[0] + 1), dtype=torch.int32)
+
+    def _sort_chunks_impl(self, tokens, table, inverse):
+        return self.backend.sort_chunks(table, inverse, tokens.contiguous(), None)[0]
+
+    def _sort_chunks_fake(self, tokens, table, inverse):
         return torch.empty_like(tokens, memory_format=torch.contiguous_format)
 
-    def _sort_chunks_probs_impl(self, tokens, probs, rows, inverse):
-        return self.backend.sort_chunks(rows, tokens.contiguous(), probs.contiguous())
+    def _sort_chunks_probs_impl(self, tokens, probs, table, inverse):
+        return self.backend.sort_chunks(table, inverse, tokens.contiguous(), probs.contiguous())
 
-    def _sort_chunks_probs_fake(self, tokens, probs, rows, inverse):
+    def _sort_chunks_probs_fake(self, tokens, probs, table, inverse):
         return (torch.empty_like(tokens, memory_format=torch.contiguous_format),
                 torch.empty_like(probs, memory_format=torch.contiguous_format))
 
     def _sort_chunks_setup(self, ctx, inputs, output):
         ctx.calls = self.op
-        rows, inverse = inputs[-2:]
-        ctx.save_for_backward(rows, inverse)
+        ctx.save_for_backward(inputs[-2])
+        ctx.inverse = inputs[-1]
         if self.fp8:
             ctx.mark_non_differentiable(output[0] if isinstance(output, tuple) else output)
 
     def _sort_chunks_backward(self, ctx, grad_out):
-        rows, inverse = ctx.saved_tensors
-        return ctx.calls["sort_chunks"](grad_out, inverse, rows), None, None
+        (table,) = ctx.saved_tensors
+        return ctx.calls["sort_chunks"](grad_out, table, not ctx.inverse), None, None
 
     def _sort_chunks_probs_backward(self, ctx, grad_out, grad_probs):
-        rows, inverse = ctx.saved_tensors
-        grad_tokens, grad_probs = ctx.calls["sort_chunks_probs"](grad_out, grad_probs, inverse, rows)
+        (table,) = ctx.saved_tensors
+        grad_tokens, grad_probs = ctx.calls["sort_chunks_probs"](grad_out, grad_probs, table, not ctx.inverse)
         needs = ctx.needs_input_grad
         return (grad_tokens if needs[0] else None), (grad_probs if needs[1] else None), None, None
 
     def sort_chunks(self, tokens, split_sizes, sorted_idxs, probs=None):
         """Split the rows of tokens [N, H] into chunks of split_sizes (they sum to N) and concatenate
         the chunks in the order of sorted_idxs (TransformerEngine's moe_sort_chunks_by_index); probs
-        [N] (variants with probs) move with their rows. Differentiable. Returns (out, out_probs | None)."""
+        [N] (variants with probs) move with their rows. Differentiable. Returns (out, out_probs | None).
+
+        split_sizes and sorted_idxs on the CPU are checked and copied to the device without a
+        device sync (but not capturable in a CUDA graph); on the device they are not checked: a
+        negative size counts as empty, and rows past sizes that do not sum to N are zeros."""
         check_tensor(self.variant, "tokens", tokens, (None, None), (self.token_dtype,), None)
         num_tokens = tokens.shape[0]
         if probs is not None:
@@ -385,13 +421,17 @@ class Ops:
                 raise ValueError(f"{self.name}: this variant has no probs; use a variant with probs = true")
             check_tensor(self.variant, "probs", probs, (num_tokens,), prob_dtypes(), tokens.device)
         self.backend.check_device(tokens)
-        rows, inverse = chunk_rows(self.variant, split_sizes, sorted_idxs, num_tokens, tokens.device)
+        sizes, order = chunk_arguments(self.variant, split_sizes, sorted_idxs, num_tokens, tokens.device)
         calls = self._calls(tokens, probs)
+        if calls is self.op:
+            table = calls["chunk_table"](sizes, order)
+        else:
+            table = self.backend.chunk_table(sizes, order)
         if calls is None:
-            return self.backend.sort_chunks(rows, tokens, probs)
+            return self.backend.sort_chunks(table, False, tokens, probs)
         if probs is None:
-            return calls["sort_chunks"](tokens, rows, inverse), None
-        return tuple(calls["sort_chunks_probs"](tokens, probs, rows, inverse))
+            return calls["sort_chunks"](tokens, table, False), None
+        return tuple(calls["sort_chunks_probs"](tokens, probs, table, False))
 
     def _calls(self, *inputs):
         """The ops under torch.compile; the eager autograd functions when a gradient can flow; else

@@ -92,3 +92,69 @@ def test_sort_chunks_checks_its_arguments():
         mod.sort_chunks(tokens, torch.tensor([1, 2]), torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="a permutation of 0..1"):
         mod.sort_chunks(tokens, torch.tensor([2, 2]), torch.tensor([1, 1]))
+
+
+def random_chunks(g, num_chunks, most_rows):
+    """Chunk sizes with empty chunks among them, and a random order of the chunks."""
+    sizes = torch.randint(0, most_rows + 1, (num_chunks,), generator=g)
+    sizes[torch.rand(num_chunks, generator=g) < 0.3] = 0
+    return sizes, torch.randperm(num_chunks, generator=g)
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+@pytest.mark.parametrize("num_chunks", [1, 7, 64])
+def test_sort_chunks_random(target, num_chunks, request):
+    """Random chunk sizes (empty chunks too) and orders, rows and gradients against torch.split + cat."""
+    mod = load(target, "probs_bf16_index")
+    g = generator_for(request)
+    sizes, order = random_chunks(g, num_chunks, 5)
+    device = device_of(target)
+    tokens = make_tokens(mod.VARIANT, int(sizes.sum()), 24, g).to(device)
+    probs = torch.rand(tokens.shape[0], generator=g).to(device)
+    inp, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+    out, out_probs = mod.sort_chunks(inp, sizes, order, p)
+    assert_bits_equal(out, chunk_sort_ref(tokens, sizes.tolist(), order.tolist()), "sorted rows")
+    assert_bits_equal(out_probs, chunk_sort_ref(probs, sizes.tolist(), order.tolist()), "sorted probs")
+    grad = torch.randn(out.shape, generator=g).to(out.dtype).to(device)
+    grad_probs = torch.randn(out_probs.shape, generator=g).to(device)
+    torch.autograd.backward((out, out_probs), (grad, grad_probs))
+    assert_bits_equal(inp.grad, inverse_ref(grad, sizes.tolist(), order.tolist()), "token grads")
+    assert_bits_equal(p.grad, inverse_ref(grad_probs, sizes.tolist(), order.tolist()), "prob grads")
+
+
+@pytest.mark.parametrize("num_chunks", [0, 1, 5, 1500])  # 1500: more chunks than one step of the table's program
+def test_chunk_table_kernel_matches_torch(num_chunks, request):
+    """The Triton target's one-program chunk table against the torch ops the NKI target uses."""
+    mod = load("triton", "bf16_index")
+    g = generator_for(request)
+    sizes, order = random_chunks(g, num_chunks, 9)
+    device = device_of("triton")
+    want = permgen.ops.chunk_table(sizes, order)
+    assert want.shape == (4, num_chunks + 1)
+    assert_bits_equal(mod._ops.backend.chunk_table(sizes.to(device), order.to(device)).cpu(), want, "chunk table")
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+@pytest.mark.parametrize("sizes", [[2, 1], [3, 9], [-4, 2, 2]], ids=["short", "long", "negative"])
+def test_sort_chunks_unchecked_sizes(target, sizes, request):
+    """Sizes on the device are not read back: rows past the chunks' total, and rows whose source
+    would be past the input, are zeros; a negative size counts as empty. Both targets alike."""
+    mod = load(target, "probs_bf16_index")
+    g = generator_for(request)
+    device = device_of(target)
+    num_rows = 5
+    split_sizes = torch.tensor(sizes)
+    order = torch.arange(len(sizes)).flip(0)
+    tokens = make_tokens(mod.VARIANT, num_rows, 16, g).to(device)
+    probs = torch.rand(num_rows, generator=g).to(device)
+    backend = mod._ops.backend
+    table = backend.chunk_table(split_sizes.to(device), order.to(device))
+    out, out_probs = backend.sort_chunks(table, False, tokens, probs)
+    starts = [sum(max(x, 0) for x in sizes[:i]) for i in range(len(sizes))]
+    source = [r for j in order.tolist() for r in range(starts[j], starts[j] + max(sizes[j], 0))]
+    source = torch.tensor((source + [num_rows] * num_rows)[:num_rows])  # num_rows: no source
+    moved = source < num_rows
+    want = torch.where(moved[:, None], tokens.cpu()[source.clamp(max=num_rows - 1)], 0)
+    want_probs = torch.where(moved, probs.cpu()[source.clamp(max=num_rows - 1)], 0)
+    assert_bits_equal(out.cpu(), want, "rows")
+    assert_bits_equal(out_probs.cpu(), want_probs, "probs")

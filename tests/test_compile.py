@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import permgen
-from permgen.ops import chunk_rows
+from permgen.ops import chunk_table
 from cases import (
     DEVICE,
     HAS_CUDA,
@@ -207,16 +207,19 @@ def op_samples(mod, g, num_out_tokens):
                                         probs.dtype)),
             ("unpermute_backward_probs", (rim.row_map, grad_out, permuted, merging, *sizes)),
         ]
-    split_sizes, sorted_idxs = torch.tensor([1, 0, 3]), torch.tensor([2, 0, 1])
-    rows_map = chunk_rows(v, split_sizes, sorted_idxs, case.N, DEVICE)
-    samples.append(("sort_chunks", (tokens.clone().requires_grad_(not is_fp8(v)), *rows_map)))
-    if v["probs"]:
-        samples.append(("sort_chunks_probs", (tokens.clone().requires_grad_(not is_fp8(v)),
-                                              torch.rand(case.N, generator=g).to(DEVICE).requires_grad_(),
-                                              *rows_map)))
-        if not rows_are_fp8(v):  # fp8 rows carry no gradient: their permute backward has the probs-only form
-            samples.append(("permute_backward_probs", (rim.row_map, grad_rows, grad_probs, *sizes, rows,
-                                                       routing.shape[1], probs.dtype)))
+    split_sizes, sorted_idxs = torch.tensor([1, 0, 3], device=DEVICE), torch.tensor([2, 0, 1], device=DEVICE)
+    table = chunk_table(split_sizes, sorted_idxs).to(DEVICE)
+    samples.append(("chunk_table", (split_sizes, sorted_idxs)))
+    for inverse in (False, True):
+        samples.append(("sort_chunks", (tokens.clone().requires_grad_(not is_fp8(v)), table, inverse)))
+        if v["probs"]:
+            samples.append(("sort_chunks_probs", (tokens.clone().requires_grad_(not is_fp8(v)),
+                                                  torch.rand(case.N, generator=g).to(DEVICE).requires_grad_(),
+                                                  table, inverse)))
+    # fp8 rows carry no gradient: their permute backward has the probs-only form.
+    if v["probs"] and not rows_are_fp8(v):
+        samples.append(("permute_backward_probs", (rim.row_map, grad_rows, grad_probs, *sizes, rows,
+                                                   routing.shape[1], probs.dtype)))
     return samples
 
 
@@ -252,7 +255,7 @@ def check_ops(mod, samples):
 def test_every_op_is_registered_in_the_permgen_namespace():
     for name in TRITON_VARIANTS:
         ops = load("triton", name)._ops
-        want = {"permute", "unpermute", "permute_backward", "unpermute_backward", "sort_chunks"}
+        want = {"permute", "unpermute", "permute_backward", "unpermute_backward", "chunk_table", "sort_chunks"}
         if permgen.VARIANTS[name]["probs"]:
             want |= {"permute_backward_probs", "unpermute_backward_probs", "sort_chunks_probs"}
         assert set(ops.op) == want
