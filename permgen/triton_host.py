@@ -169,13 +169,19 @@ class TritonBackend:
             return _pow2(min(num_experts, _MAX_ROUTE_TILE))
         return _pow2(width)
 
+    @staticmethod
+    def _widest_mask_tile(width, num_experts):
+        """Mask routing's widest route tile: the routing kernel writes -1 to the dst rows of each
+        token's slots from its route count up to it, so that a gather's first tile needs no count."""
+        return _pow2(min(width, num_experts, _MAX_ROUTE_TILE))
+
     def _route_tile(self, width, num_experts, num_tokens, num_rows):
         """Route slots a kernel visits per step: all k of index routing at once; for mask routing the
         tile that holds a typical token's routes (see _MAX_ROUTE_TILE), with or without a topk hint."""
         if not self.mask:
             return _pow2(width)
         typical = round(num_rows / num_tokens) if num_tokens else 1
-        return min(_pow2(typical), _pow2(min(width, num_experts, _MAX_ROUTE_TILE)))
+        return min(_pow2(typical), self._widest_mask_tile(width, num_experts))
 
     def _row_map_tile(self, row_id_map):
         return self._route_tile(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens, row_id_map.num_rows)
@@ -188,7 +194,8 @@ class TritonBackend:
         e_pow2 = _pow2(num_experts)
         meta = dict(K=width, E=num_experts, E_POW2=e_pow2, BLOCK_TOKENS=block_tokens)
         if self.mask:
-            meta.update(EXPERT_CHUNK=max(1, min(e_pow2, 4096 // block_tokens)))
+            meta.update(EXPERT_CHUNK=max(1, min(e_pow2, 4096 // block_tokens)),
+                        MAX_ROUTES=self._widest_mask_tile(width, num_experts))
         else:
             meta.update(BLOCK_ROUTES=_pow2(block_tokens * width), BINS=_pow2(num_experts + 1))
         meta.update(CHUNK_BLOCKS=max(1, 8192 // e_pow2))
