@@ -270,7 +270,23 @@ def run_variant(name, N, H, E, k, mod, call, copy_bw, results):
     torch.cuda.empty_cache()
 
 
-def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
+def host_us(fn, calls=1000, blocks=5):
+    """Host-measured time per call: the median of blocks of calls (the hosts' speed drifts, up to 2x
+    between blocks of one process), after a warm-up."""
+    for _ in range(50):
+        fn()
+    times = []
+    for _ in range(blocks):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls // blocks):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / (calls // blocks) * 1e6)
+    return sorted(times)[blocks // 2]
+
+
+def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=1000, grad=False):
     """Host-measured permute + unpermute per call, launch and Python overhead included.
     grad: inputs require grad, so both calls go through autograd (a training step's forward)."""
     tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
@@ -279,43 +295,38 @@ def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=500, grad=False):
         probs.requires_grad_()
     M, kw = permute_kwargs(mod, N, E, k, rows=N * k)
     permuted = torch.randn(M, H, device="cuda").to(combine_dtype(mod.VARIANT)).requires_grad_(grad)
-    for _ in range(20):
-        mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
-    torch.cuda.synchronize()
-    eager = (time.perf_counter() - start) / calls * 1e6
+
+    def call(tokens, routing, probs, scale, permuted):
+        return mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
+
+    args = (tokens, routing, probs, scale, permuted)
+    eager = host_us(lambda: call(*args), calls)
     if grad:
         return dict(eager_us=round(eager, 1))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        graph.replay()
-    torch.cuda.synchronize()
-    graph_us = (time.perf_counter() - start) / calls * 1e6
+        call(*args)
+    graph_us = host_us(graph.replay, calls)
 
     # What a compiled training stack gets: torch.compile's CUDA graphs (cudagraph trees).
-    @torch.compile(mode="reduce-overhead", fullgraph=True)
-    def round_trip(tokens, routing, probs, scale, permuted):
-        return mod.unpermute(permuted, mod.permute(tokens, routing, probs, scale, **kw).row_id_map, probs)
-
+    compiled = torch.compile(call, mode="reduce-overhead", fullgraph=True)
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    for _ in range(20):
-        round_trip(tokens, routing, probs, scale, permuted)
-    torch.cuda.synchronize()
+    compiled_us = host_us(lambda: compiled(*args), calls)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips, "torch.compile skipped CUDA graphs"
-    start = time.perf_counter()
-    for _ in range(calls):
-        round_trip(tokens, routing, probs, scale, permuted)
-    torch.cuda.synchronize()
-    compiled_us = (time.perf_counter() - start) / calls * 1e6
     return dict(eager_us=round(eager, 1), graph_replay_us=round(graph_us, 1),
                 compiled_reduce_overhead_us=round(compiled_us, 1))
+
+
+def compiled_floor_us(N=1024, H=1024, E=16, k=2, calls=1000):
+    """torch.compile(mode="reduce-overhead") of one pointwise op on the round trip's inputs: what a
+    replay costs the host before any of our ops (guards, cudagraph-tree bookkeeping, input copies)."""
+    tokens = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+    routing = torch.randint(0, E, (N, k), device="cuda", dtype=torch.int32)
+    probs = torch.rand(N, k, device="cuda")
+    permuted = torch.randn(N * k, H, device="cuda").to(torch.bfloat16)
+    trivial = torch.compile(lambda tokens, routing, probs, permuted: permuted[:N] * 2 + tokens,
+                            mode="reduce-overhead", fullgraph=True)
+    return round(host_us(lambda: trivial(tokens, routing, probs, permuted), calls), 1)
 
 
 CHUNK_SHAPES = [  # name, rows, H, chunks: rows received from 8 ranks, regrouped by (local expert, rank)
@@ -442,6 +453,7 @@ def main():
     small = {v: round_trip_us(load(v)) for v in args.variants}
     for v in args.variants:
         small[v]["autograd_eager_us"] = round_trip_us(load(v), grad=True)["eager_us"]
+    small["compiled_floor_us"] = compiled_floor_us()
     print("small-shape permute + unpermute round trip, host-measured us/call:", small)
     chunks = chunk_sort(copy_bw)
     memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(load(v), 16384, 7168, 256, 8)))

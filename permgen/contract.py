@@ -6,8 +6,7 @@ checks raise the same exception with the same words whichever target runs the va
 module imports nothing at load time, so the generator can use it without torch installed.
 """
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 # ---------------------------------------------------------------------------------------------
 # The spec's axes and what their values mean
@@ -84,8 +83,28 @@ def _torch():
     return torch
 
 
-@dataclass(frozen=True)
-class PermutePlan:
+# torch dtype attribute name (or the tuple of prob dtype names) -> the dtype(s), filled once by
+# load_dtypes when a variant's ops are built: torch.compile then never traces a change to it (which
+# would recompile the first graph once it ran).
+_DTYPES = {}
+
+
+def load_dtypes():
+    """Look up every torch dtype the contract names, once."""
+    if not _DTYPES:
+        torch = _torch()
+        names = [*TOKEN_DTYPE_NAMES.values(), *PROB_DTYPE_NAMES, *(dtype for _, dtype in SCALE_FORMATS.values())]
+        _DTYPES.update({name: getattr(torch, name) for name in names})
+        _DTYPES[PROB_DTYPE_NAMES] = tuple(_DTYPES[name] for name in PROB_DTYPE_NAMES)
+
+
+def _dtype(name: str):
+    """The torch dtype of an attribute name (the checks run on every call: a dict lookup)."""
+    load_dtypes()
+    return _DTYPES[name]
+
+
+class PermutePlan(NamedTuple):
     """permute's sizes once its arguments are checked."""
 
     num_tokens: int
@@ -105,10 +124,16 @@ def check_tensor(variant: dict, name: str, t, shape, dtypes, device):
 
     shape: a tuple of sizes (None = any); dtypes: torch dtypes; device: the tokens' device, or None."""
     torch = _torch()
-    if (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == len(shape)
-            and all(want is None or want == got for want, got in zip(shape, t.shape))
-            and (device is None or t.device == device) and t.is_contiguous()):
-        return  # the common case, checked in one expression: this runs on every call
+    # The common case first, with the fewest Python operations: this runs on every call.
+    if (isinstance(t, torch.Tensor) and t.dtype in dtypes and (device is None or t.device == device)
+            and t.is_contiguous()):
+        got = t.shape
+        if len(got) == len(shape):
+            for want, have in zip(shape, got):
+                if want is not None and want != have:
+                    break
+            else:
+                return
     where = variant["name"]
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -123,24 +148,23 @@ def check_tensor(variant: dict, name: str, t, shape, dtypes, device):
 
 
 def token_dtype(variant: dict):
-    return getattr(_torch(), TOKEN_DTYPE_NAMES[variant["dtype"]])
+    return _dtype(TOKEN_DTYPE_NAMES[variant["dtype"]])
 
 
 def combine_dtype(variant: dict):
-    return getattr(_torch(), combine_dtype_name(variant))
+    return _dtype(combine_dtype_name(variant))
 
 
 def prob_dtypes():
-    torch = _torch()
-    return tuple(getattr(torch, n) for n in PROB_DTYPE_NAMES)
+    return _dtype(PROB_DTYPE_NAMES)
 
 
 def scale_dtype(variant: dict):
-    return getattr(_torch(), SCALE_FORMATS[scale_kind(variant)][1])
+    return _dtype(SCALE_FORMATS[scale_kind(variant)][1])
 
 
 def out_dtype(variant: dict):
-    return getattr(_torch(), out_dtype_name(variant))
+    return _dtype(out_dtype_name(variant))
 
 
 def prob_columns_name(variant: dict) -> str:

@@ -50,8 +50,8 @@ call. All paths run the same backend code on the same arguments, so results are 
 
 import torch
 
-from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, out_dtype,
-                       prob_dtypes, routing_error, scale_columns, scale_dtype, scale_kind, token_dtype)
+from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, load_dtypes,
+                       out_dtype, prob_dtypes, routing_error, scale_columns, scale_dtype, scale_kind, token_dtype)
 from .results import PermuteResult, RowIdMap, row_map_words
 
 NAMESPACE = "permgen"
@@ -130,6 +130,7 @@ class Ops:
     """The public functions of one variant on one target, and its custom ops."""
 
     def __init__(self, variant: dict, backend):
+        load_dtypes()  # before any call is traced
         self.variant = variant
         self.backend = backend
         self.name = variant["name"]
@@ -438,8 +439,10 @@ class Ops:
         None: the backend is called directly (the plain call costs the host the least)."""
         if torch.compiler.is_compiling():
             return self.op
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return self.eager
+        if torch.is_grad_enabled():
+            for t in inputs:
+                if t is not None and t.requires_grad:
+                    return self.eager
         return None
 
     # -- the public functions ----------------------------------------------------------------------

@@ -59,16 +59,13 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-_COMPILED = {}  # launch key (see _launch) -> (compiled kernel, launcher, handle, metadata, constexpr values)
+_COMPILED = {}  # launch key (see _launch) -> (kernel, compiled kernel, launcher, handle, metadata, constexpr values)
 
 
-def _launch_key(a):
-    """What Triton specialises an argument on."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if a is None:
-        return None
-    return a == 1, a & 15 == 0, a >> 31 == 0
+def _hooked(hook):
+    """Whether a launch hook is installed: a function (older Triton), or a HookChain with calls (Triton
+    3.6 on: the chain object is always there, empty when nothing is hooked)."""
+    return bool(getattr(hook, "calls", hook))
 
 
 def _launch(kernel, programs, *args, **meta):
@@ -76,24 +73,28 @@ def _launch(kernel, programs, *args, **meta):
 
     Triton's generic launch binds and specialises every argument on every call, which costs more
     host time than the launch itself. The key here holds what Triton specialises on: tensor dtypes
-    and 16-byte alignment, None, and for ints whether they are 1, divisible by 16 and fit in 32
-    bits. A compiled kernel is then started through its launcher directly, unless a launch hook
-    (a profiler) is installed."""
+    and 16-byte alignment, and for ints whether they are 1, divisible by 16 and fit in 32 bits (no
+    kernel takes None). A compiled kernel is then started through its launcher directly, unless a
+    launch hook (a profiler) is installed. Every kernel's first argument is a tensor."""
     if not isinstance(kernel, JITFunction):  # the CPU interpreter
         kernel[(programs,)](*args, **meta)
         return
-    device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
-    key = (kernel, device, *meta.values(), *map(_launch_key, args))
+    device = args[0].get_device()
+    # One comprehension, no call per argument: this runs for every launch. The kernel by id: a
+    # JITFunction hashes in Python.
+    key = (id(kernel), device, *meta.values(),
+           *[(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else (a == 1, a & 15 == 0, a >> 31 == 0)
+             for a in args])
     entry = _COMPILED.get(key)
-    if entry is None:
+    if entry is None or entry[0] is not kernel:  # an id can be reused once its kernel is gone
         compiled = kernel[(programs,)](*args, **meta)
         if isinstance(compiled, CompiledKernel):
             constexprs = tuple(meta[name] for name in kernel.arg_names[len(args):])
-            _COMPILED[key] = compiled, compiled.run, compiled.function, compiled.packed_metadata, constexprs
+            _COMPILED[key] = kernel, compiled, compiled.run, compiled.function, compiled.packed_metadata, constexprs
         return
-    compiled, launcher, function, packed_metadata, constexprs = entry
+    _, compiled, launcher, function, packed_metadata, constexprs = entry
     stream = driver.active.get_current_stream(device)
-    if knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
+    if not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
         launcher(programs, 1, 1, stream, function, packed_metadata, None, None, None, *args, *constexprs)
     else:
         compiled[(programs, 1, 1)](*args, *constexprs, stream=stream)
@@ -122,6 +123,16 @@ def _routing_scratch(device, words):
 def _row_block(t):
     """Row chunk per loop step: one 16-byte vector per lane."""
     return _ROW_BYTES_PER_WARP * _NUM_WARPS // t.element_size()
+
+
+def _row_words(t):
+    """The rows of a contiguous [R, C] tensor as the widest words (4, 2 or 1 bytes) that divide a row,
+    for kernels that only copy rows: fp8 too, and no per-byte registers (a 4 KiB tile of uint8 spilled)."""
+    row_bytes, offset_bytes = t.shape[1] * t.element_size(), t.storage_offset() * t.element_size()
+    for dtype in (torch.int32, torch.int16):
+        if row_bytes % dtype.itemsize == 0 and offset_bytes % dtype.itemsize == 0:
+            return t.view(dtype)
+    return t.view(torch.uint8)
 
 
 def _quantize_row_block(hidden):
@@ -156,6 +167,8 @@ class TritonBackend:
         self.device_type = "cuda" if isinstance(kernels.route, JITFunction) else "cpu"
         # lru_cache per instance: the launch geometry of each shape is worked out once.
         self._routing_launch = functools.lru_cache(maxsize=1024)(self._routing_geometry)
+        self._rows_launch = functools.lru_cache(maxsize=1024)(self._rows_geometry)
+        self._gather_launch = functools.lru_cache(maxsize=1024)(self._gather_geometry)
 
     def check_device(self, tokens):
         if tokens.device.type != self.device_type:
@@ -214,12 +227,39 @@ class TritonBackend:
         return (num_experts * pad_groups + tail_programs, tail_programs,
                 dict(PAD_GROUPS=pad_groups, PAD_ROWS_PER_PROGRAM=_PAD_ROWS_PER_PROGRAM))
 
-    def _route_meta(self, row_id_map, hidden_block):
-        meta = dict(K=row_id_map.width, ROUTES=self._row_map_tile(row_id_map))
+    def _rows_geometry(self, num_tokens, hidden, width, num_experts, num_rows, capped, scale_columns_in):
+        """(programs, zero programs, tail programs, constexprs) of the permute kernel for one shape.
+        The constexprs are shared between calls: never changed by a caller."""
+        route_meta = self._routing_launch(num_tokens, width, num_experts)[2]
+        zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=capped)
+        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts,
+                    BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
+        if not self.mask:
+            meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
+        # fp8 rows move as bytes (1-byte words), others in their dtype.
+        meta.update(BLOCK_H=_quantize_row_block(hidden) if self.quantizes
+                    else _ROW_BYTES_PER_WARP * _NUM_WARPS // self.token_dtype.itemsize)
+        if scale_columns_in is not None:
+            meta.update(BLOCK_S=min(_pow2(scale_columns_in), 256))
+        if self.quantizes:
+            # The interpreter's fp8 cast does not round to even: the kernel then converts in integers.
+            meta.update(BLOCK_S=min(_pow2(scale_columns(self.variant, hidden)), 256),
+                        HARDWARE_CAST=self.device_type == "cuda")
+        meta.update(zero_meta, num_warps=_NUM_WARPS)
+        return zero_programs + num_tokens, zero_programs, tail_programs, meta
+
+    def _gather_geometry(self, width, num_experts, num_tokens, num_rows, hidden_block):
+        """Constexprs of the gathers and scatters for one shape (shared: never changed by a caller)."""
+        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
         if self.mask:
-            meta.update(E=row_id_map.num_experts)
+            meta.update(E=num_experts)
         meta.update(BLOCK_H=hidden_block, num_warps=_NUM_WARPS, maxnreg=_MAX_REGISTERS)
         return meta
+
+    def _route_meta(self, row_id_map, hidden_block):
+        """The gathers' constexprs as a fresh dict, for callers that add some."""
+        return dict(self._gather_launch(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens,
+                                        row_id_map.num_rows, hidden_block))
 
     def row_id_map(self, row_map, routing, plan, num_rows):
         return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
@@ -258,27 +298,18 @@ class TritonBackend:
         if self.has_scale:
             out_scale = torch.empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant),
                                     device=device)
-        zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=cap is not None)
-        if zero_programs + num_tokens:
+        programs, zero_programs, tail_programs, meta = self._rows_launch(
+            num_tokens, hidden, width, num_experts, num_rows, cap is not None, None if scale is None else scale.shape[1])
+        if programs:
             args = [tokens] + ([] if self.mask else [routing]) + [row_map, scratch, out]
-            meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts,
-                        BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
-            if not self.mask:
-                meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
-            meta.update(BLOCK_H=_quantize_row_block(hidden) if self.quantizes else _row_block(tokens))
             if probs is not None:
                 args += [probs, out_probs]
             if scale is not None:
                 args += [scale, out_scale, scale.shape[1]]
-                meta.update(BLOCK_S=min(_pow2(scale.shape[1]), 256))
             if self.quantizes:
                 args += [out_scale, out_scale.shape[1]]
-                # The interpreter's fp8 cast does not round to even: the kernel then converts in integers.
-                meta.update(BLOCK_S=min(_pow2(out_scale.shape[1]), 256),
-                            HARDWARE_CAST=self.device_type == "cuda")
-            args += [num_tokens, num_rows, hidden, num_blocks, zero_programs, tail_programs]
-            _launch(self.kernels.permute, zero_programs + num_tokens, *args, **meta, **zero_meta,
-                    num_warps=_NUM_WARPS)
+            _launch(self.kernels.permute, programs, *args, num_tokens, num_rows, hidden, num_blocks, zero_programs,
+                    tail_programs, **meta)
         if self.fp8 or self.quantizes:
             out = out.view(out_dtype(self.variant))
         return out, out_probs, out_scale, tokens_per_expert, row_map, num_rows
@@ -287,7 +318,8 @@ class TritonBackend:
         num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
         out = torch.empty((num_tokens, hidden), dtype=permuted.dtype, device=permuted.device)
         if num_tokens:
-            meta = self._route_meta(row_id_map, _row_block(permuted))
+            meta = self._gather_launch(row_id_map.width, row_id_map.num_experts, num_tokens, row_id_map.num_rows,
+                                       _row_block(permuted))
             if merging_probs is not None:
                 _launch(self.kernels.unpermute, num_tokens, permuted, row_id_map.row_map, merging_probs, out,
                         num_tokens, hidden, **meta)
@@ -365,9 +397,9 @@ class TritonBackend:
         """The chunk sort of tokens [N, H] (and probs [N]) by a chunk table; inverse: the table's
         other half, which undoes the sort (the backward pass)."""
         starts, sources = table[2:] if inverse else table[:2]
-        num_rows, hidden = tokens.shape
         num_chunks = table.shape[1] - 1
-        moved = tokens.view(torch.uint8) if self.fp8 else tokens  # fp8 rows move as bytes
+        moved = _row_words(tokens)
+        num_rows, hidden = moved.shape
         out = torch.empty_like(moved)
         out_probs = None if probs is None else torch.empty_like(probs)
         if num_rows:
