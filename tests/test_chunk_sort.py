@@ -32,7 +32,7 @@ def inverse_ref(grad, split_sizes, sorted_idxs):
 
 @pytest.mark.parametrize("with_probs", [False, True], ids=["tokens", "with_probs"])
 @pytest.mark.parametrize("target, name", TARGET_VARIANTS, ids=[f"{t}-{n}" for t, n in TARGET_VARIANTS])
-def test_sort_chunks(target, name, with_probs, request):
+def test_sort_chunks(target, name, with_probs, request, poisoned_empty):
     if with_probs and not HAS_PROBS[name]:
         pytest.skip("variant without probs")
     mod = load(target, name)
@@ -103,7 +103,7 @@ def random_chunks(g, num_chunks, most_rows):
 
 @pytest.mark.parametrize("target", ["triton", "nki"])
 @pytest.mark.parametrize("num_chunks", [1, 7, 64])
-def test_sort_chunks_random(target, num_chunks, request):
+def test_sort_chunks_random(target, num_chunks, request, poisoned_empty):
     """Random chunk sizes (empty chunks too) and orders, rows and gradients against torch.split + cat."""
     mod = load(target, "probs_bf16_index")
     g = generator_for(request)
@@ -123,7 +123,7 @@ def test_sort_chunks_random(target, num_chunks, request):
 
 
 @pytest.mark.parametrize("num_chunks", [0, 1, 5, 1500])  # 1500: more chunks than one step of the table's program
-def test_chunk_table_kernel_matches_torch(num_chunks, request):
+def test_chunk_table_kernel_matches_torch(num_chunks, request, poisoned_empty):
     """The Triton target's one-program chunk table against the torch ops the NKI target uses."""
     mod = load("triton", "bf16_index")
     g = generator_for(request)
@@ -136,7 +136,7 @@ def test_chunk_table_kernel_matches_torch(num_chunks, request):
 
 @pytest.mark.parametrize("target", ["triton", "nki"])
 @pytest.mark.parametrize("sizes", [[2, 1], [3, 9], [-4, 2, 2]], ids=["short", "long", "negative"])
-def test_sort_chunks_unchecked_sizes(target, sizes, request):
+def test_sort_chunks_unchecked_sizes(target, sizes, request, poisoned_empty):
     """Sizes on the device are not read back: rows past the chunks' total, and rows whose source
     would be past the input, are zeros; a negative size counts as empty. Both targets alike."""
     mod = load(target, "probs_bf16_index")
