@@ -121,8 +121,8 @@ def _routing_scratch(device, words):
 
 
 def _row_block(t):
-    """Row chunk per loop step: one 16-byte vector per lane."""
-    return _ROW_BYTES_PER_WARP * _NUM_WARPS // t.element_size()
+    """Row chunk per loop step for a tensor or dtype t: one 16-byte vector per lane."""
+    return _ROW_BYTES_PER_WARP * _NUM_WARPS // t.itemsize
 
 
 def _row_words(t):
@@ -236,9 +236,8 @@ class TritonBackend:
                     BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
         if not self.mask:
             meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
-        # fp8 rows move as bytes (1-byte words), others in their dtype.
-        meta.update(BLOCK_H=_quantize_row_block(hidden) if self.quantizes
-                    else _ROW_BYTES_PER_WARP * _NUM_WARPS // self.token_dtype.itemsize)
+        # fp8 rows move as bytes, the same size as their dtype.
+        meta.update(BLOCK_H=_quantize_row_block(hidden) if self.quantizes else _row_block(self.token_dtype))
         if scale_columns_in is not None:
             meta.update(BLOCK_S=min(_pow2(scale_columns_in), 256))
         if self.quantizes:
@@ -256,10 +255,10 @@ class TritonBackend:
         meta.update(BLOCK_H=hidden_block, num_warps=_NUM_WARPS, maxnreg=_MAX_REGISTERS)
         return meta
 
-    def _route_meta(self, row_id_map, hidden_block):
-        """The gathers' constexprs as a fresh dict, for callers that add some."""
-        return dict(self._gather_launch(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens,
-                                        row_id_map.num_rows, hidden_block))
+    def _gather_meta(self, row_id_map, hidden_block):
+        """The gathers' and scatters' constexprs for a row map: a shared dict, copied by callers that add some."""
+        return self._gather_launch(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens,
+                                   row_id_map.num_rows, hidden_block)
 
     def row_id_map(self, row_map, routing, plan, num_rows):
         return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
@@ -298,8 +297,9 @@ class TritonBackend:
         if self.has_scale:
             out_scale = torch.empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant),
                                     device=device)
+        scale_columns_in = None if scale is None else scale.shape[1]
         programs, zero_programs, tail_programs, meta = self._rows_launch(
-            num_tokens, hidden, width, num_experts, num_rows, cap is not None, None if scale is None else scale.shape[1])
+            num_tokens, hidden, width, num_experts, num_rows, cap is not None, scale_columns_in)
         if programs:
             args = [tokens] + ([] if self.mask else [routing]) + [row_map, scratch, out]
             if probs is not None:
@@ -318,8 +318,7 @@ class TritonBackend:
         num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
         out = torch.empty((num_tokens, hidden), dtype=permuted.dtype, device=permuted.device)
         if num_tokens:
-            meta = self._gather_launch(row_id_map.width, row_id_map.num_experts, num_tokens, row_id_map.num_rows,
-                                       _row_block(permuted))
+            meta = self._gather_meta(row_id_map, _row_block(permuted))
             if merging_probs is not None:
                 _launch(self.kernels.unpermute, num_tokens, permuted, row_id_map.row_map, merging_probs, out,
                         num_tokens, hidden, **meta)
@@ -340,7 +339,7 @@ class TritonBackend:
             grad_out_probs = grad_out_probs.contiguous()
             if num_tokens and grad_out is not None:
                 # One launch for both: the prob grads ride along with the row sums.
-                meta = self._route_meta(row_id_map, _row_block(grad_out))
+                meta = dict(self._gather_meta(row_id_map, _row_block(grad_out)))
                 if self.mask:
                     meta.update(E_POW2=_pow2(row_id_map.num_experts))
                 _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map, grad_out_probs,
@@ -353,7 +352,7 @@ class TritonBackend:
                         num_tokens, **meta, num_warps=_NUM_WARPS)
         elif grad_out is not None and num_tokens:
             _launch(self.kernels.sum_routes, num_tokens, grad_out, row_id_map.row_map, grad_tokens, num_tokens,
-                    grad_out.shape[1], **self._route_meta(row_id_map, _row_block(grad_out)))
+                    grad_out.shape[1], **self._gather_meta(row_id_map, _row_block(grad_out)))
         return grad_tokens, grad_probs
 
     def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs):
@@ -363,8 +362,7 @@ class TritonBackend:
         # Every row that is not some token's route must come back as zeros.
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
         programs = zero_programs + num_tokens
-        meta = self._route_meta(row_id_map, _row_block(grad_out))
-        meta.update(E=num_experts, **zero_meta)
+        meta = dict(self._gather_meta(row_id_map, _row_block(grad_out)), E=num_experts, **zero_meta)
         sizes = (num_tokens, num_rows, hidden, zero_programs, tail_programs)
         if merging_probs is not None:
             grad_probs = torch.empty(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device)
