@@ -184,8 +184,8 @@ class TritonBackend:
 
     @staticmethod
     def _widest_mask_tile(width, num_experts):
-        """Mask routing's widest route tile: the routing kernel writes -1 to the dst rows of each
-        token's slots from its route count up to it, so that a gather's first tile needs no count."""
+        """Mask routing's widest route tile: permute writes -1 to the dst rows of each token's slots
+        from its route count up to it, so that a gather's first tile needs no count."""
         return _pow2(min(width, num_experts, _MAX_ROUTE_TILE))
 
     def _route_tile(self, width, num_experts, num_tokens, num_rows):
@@ -207,8 +207,7 @@ class TritonBackend:
         e_pow2 = _pow2(num_experts)
         meta = dict(K=width, E=num_experts, E_POW2=e_pow2, BLOCK_TOKENS=block_tokens)
         if self.mask:
-            meta.update(EXPERT_CHUNK=max(1, min(e_pow2, 4096 // block_tokens)),
-                        MAX_ROUTES=self._widest_mask_tile(width, num_experts))
+            meta.update(EXPERT_CHUNK=max(1, min(e_pow2, 4096 // block_tokens)))
         else:
             meta.update(BLOCK_ROUTES=_pow2(block_tokens * width), BINS=_pow2(num_experts + 1))
         meta.update(CHUNK_BLOCKS=max(1, 8192 // e_pow2))
@@ -234,7 +233,9 @@ class TritonBackend:
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=capped)
         meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts,
                     BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
-        if not self.mask:
+        if self.mask:
+            meta.update(MAX_ROUTES=self._widest_mask_tile(width, num_experts))
+        else:
             meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
         # fp8 rows move as bytes, the same size as their dtype.
         meta.update(BLOCK_H=_quantize_row_block(hidden) if self.quantizes else _row_block(self.token_dtype))
