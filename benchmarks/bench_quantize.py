@@ -10,8 +10,10 @@ rows the routing needs, so nothing is read back) against
   (c) the routing-free broadcast of the same bytes (each bf16 row read once, written as k one-byte
       rows plus scales to expert-sorted rows): permute's practical ceiling,
 and the copy floor (the bytes the op must move at device-to-device copy bandwidth, measured in the
-same run). Medians of triton.testing.do_bench. Writes bench_quantize.json, bench_quantize.txt and,
-with matplotlib, bench_quantize.png into --out.
+same run). Times are GPU time alone, each call replayed from a CUDA graph (medians of
+triton.testing.do_bench), as bench.py's graph columns: eager calls of ~100 us are bound by the
+host's Python on these hosts. Writes bench_quantize.json, bench_quantize.txt and, with
+matplotlib, bench_quantize.png into --out.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # the generator renders the comparison variants the spec does not list
 
 import permgen  # noqa: E402
-from bench import bench, copy_bandwidth  # noqa: E402
+from bench import copy_bandwidth, graph_us  # noqa: E402
 from copy_patterns import expert_sorted_rows  # noqa: E402
 
 SHAPES = [  # name, N, H, E, k
@@ -156,8 +158,8 @@ def run(name, N, H, E, k, qname, copy_bw):
     scale_bytes = first.scale.element_size()
     row = {"shape": name, "N": N, "H": H, "E": E, "k": k, "variant": qname, "rows": M}
 
-    quantising = bench(lambda: mod.permute(tokens, routing, probs, **kw))
-    plain = bench(lambda: bf16.permute(tokens, routing, probs, **kw))
+    quantising = graph_us(lambda: mod.permute(tokens, routing, probs, **kw))
+    plain = graph_us(lambda: bf16.permute(tokens, routing, probs, **kw))
     moved = N * H * 2 + M * H + M * S * scale_bytes + (0 if probs is None else M * 4)
     row.update(quantising_us=quantising, bf16_permute_us=plain, bytes=moved, floor_us=moved / copy_bw * 1e6)
 
@@ -169,13 +171,13 @@ def run(name, N, H, E, k, qname, copy_bw):
     sep, ours = separate(), mod.permute(tokens, routing, probs, **kw)
     row["separate_matches"] = bool(torch.equal(sep.tokens.view(torch.uint8), ours.tokens.view(torch.uint8))
                                    and torch.equal(sep.scale, ours.scale))
-    row["separate_us"] = bench(separate)
-    row["group_quant_us"] = bench(lambda: group_quant(tokens, kind))
+    row["separate_us"] = graph_us(separate)
+    row["group_quant_us"] = graph_us(lambda: group_quant(tokens, kind))
     rows = expert_sorted_rows(N, E, k)
     out = torch.empty(N * k, H, dtype=torch.uint8, device="cuda")
     out_scale = torch.empty(N * k, S, dtype=first.scale.dtype, device="cuda")
     x16 = tokens.view(torch.int16)
-    row["broadcast_us"] = bench(lambda: broadcast_bytes_kernel[(N,)](
+    row["broadcast_us"] = graph_us(lambda: broadcast_bytes_kernel[(N,)](
         x16, rows, out, out_scale, H, S, K=k, GROUP=GROUP[kind], BLOCK_H=1024, num_warps=4))
     # (c) writes the routed rows only; per byte, ours against it: (ours / our floor) / ((c) / its floor).
     broadcast_bytes = N * H * 2 + N * k * (H + S * scale_bytes)
@@ -186,7 +188,7 @@ def run(name, N, H, E, k, qname, copy_bw):
 
 
 def table(results, copy_gbps, gpu):
-    lines = [f"{gpu}; device-to-device copy {copy_gbps:.0f} GB/s; times in us (do_bench medians)", "",
+    lines = [f"{gpu}; device-to-device copy {copy_gbps:.0f} GB/s; times in us (CUDA-graph replay, do_bench medians)", "",
              "| shape | quantising variant | rows | quantising permute | (a) bf16 permute | (b) quantise + fp8 permute "
              "| (c) broadcast of the bytes | copy floor | (a)/ours | (b)/ours | ours/(c) | per byte | ours/floor |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
