@@ -45,7 +45,7 @@ def main():
     print(f"  slice + view                {host_us(lambda: out[2:10].view(-1)):7.1f}")
     print(f"  current stream handle       {host_us(lambda: torch.cuda.current_stream().cuda_stream):7.1f}")
     gather = getattr(mod, f"{name}_sum_routes_kernel")
-    meta = {name: value for name, value in mod._ops.backend._route_meta(rm, 1024).items() if name != "maxnreg"}
+    meta = {name: value for name, value in mod._ops.backend._gather_meta(rm, 1024).items() if name != "maxnreg"}
     launch_us = host_us(lambda: gather[(N,)](permuted, rm.row_map, out, N, H, **meta))
     print(f"  one triton launch (gather)  {launch_us:7.1f}")
     compiled = gather[(N,)](permuted, rm.row_map, out, N, H, **meta)
