@@ -30,6 +30,7 @@ for shape in [(16384, 4096, 8, 2), (16384, 2048, 128, 8)]:
             torch.cuda.synchronize()
         for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:4]:
             print(f"{shape} {vname:18s} {e.key[:60]:60s} {e.device_time_total / e.count:8.1f} us")
-for key, entry in host._COMPILED.items():
-    c = entry[0]
-    print(f"{key[0].fn.__name__:55s} regs={getattr(c, 'n_regs', '?')} spills={getattr(c, 'n_spills', '?')} meta={key[2:8]}")
+for entry in host._COMPILED.values():
+    kernel, compiled, constexprs = entry[0], entry[1], entry[-1]
+    print(f"{kernel.fn.__name__:55s} regs={getattr(compiled, 'n_regs', '?')} spills={getattr(compiled, 'n_spills', '?')} "
+          f"constexprs={constexprs}")
