@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cases import DEVICE, assert_bits_equal, assert_sum_close, generator_for, load, to_device, variants_for
+from reference import permute_ref
 
 N, H, E, K, F = 24, 64, 4, 2, 32  # tokens, hidden, experts, routes per token, expert ffn width
 FP8_MAX = 448.0  # largest float8_e4m3fn value
@@ -51,7 +52,7 @@ def dequantise(q, scale, scale_kind):
 
 
 def layer(mod, x, router, w1, w2, loss_weight, experts, num_out_tokens):
-    """Returns (loss, out, the router probs as passed to permute, permute's result). experts [N, K]:
+    """Returns (loss, out, the routing and router probs as passed to permute, permute's result). experts [N, K]:
     the router's top-k, picked once on the CPU (a GPU's logits could order near-ties differently)."""
     spec = mod.VARIANT
     gate = (x.float() @ router).gather(1, experts).softmax(-1)
@@ -68,17 +69,7 @@ def layer(mod, x, router, w1, w2, loss_weight, experts, num_out_tokens):
     hidden = torch.cat([torch.nn.functional.silu(rows[a:b] @ w1[e]) @ w2[e]
                         for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))] + [rows[ends[-1]:] * 0])
     out = mod.unpermute(hidden * res.probs[:, None].to(hidden.dtype), res.row_id_map)
-    return (out.float() * loss_weight).sum(), out, probs, res
-
-
-def moved_probs(res, probs):
-    """The permuted probs a permute must return: each route's prob at its row, zero in rows no route
-    lands in (pad rows)."""
-    rows = res.row_id_map.rows_by_column()
-    routed = rows >= 0
-    want = torch.zeros_like(res.probs)
-    want[rows[routed]] = probs[routed].to(want.dtype)
-    return want
+    return (out.float() * loss_weight).sum(), out, routing, probs, res
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -97,16 +88,19 @@ def test_one_layer_on_both_targets(name, request, poisoned_empty):
         leaves = [t.requires_grad_() for t in to_device(device, x, router, w1, w2)]
         # index routing with a capacity (nothing read back), mask routing without one (the row count read back)
         cap = None if mod.VARIANT["routing"] == "mask" else N * K + E * (mod.VARIANT["pad"] - 1)
-        loss, out, probs, res = layer(mod, *leaves, loss_weight.to(device), experts.to(device), cap)
+        loss, out, routing, probs, res = layer(mod, *leaves, loss_weight.to(device), experts.to(device), cap)
         loss.backward()
-        runs[target] = dict(loss=loss.detach(), out=out.detach(), res=res, probs=probs.detach(), probs_grad=probs.grad,
+        # The reference's permuted probs for this target's own router probs (each device's matmul rounds its way).
+        ref_probs = permute_ref(leaves[0].detach(), routing, routing_kind=mod.VARIANT["routing"], num_experts=E,
+                                probs=probs.detach(), pad=mod.VARIANT["pad"], num_out_tokens=cap)[1]
+        runs[target] = dict(loss=loss.detach(), out=out.detach(), res=res, ref_probs=ref_probs, probs_grad=probs.grad,
                             grads=[t.grad for t in leaves])
 
     t, n = runs["triton"], runs["nki"]
     tr, nr = t["res"], n["res"]
     assert_bits_equal(tr.tokens, nr.tokens, "permuted tokens")
-    for target, run in runs.items():  # each target's probs moved exactly to its routes' rows, zero elsewhere
-        assert_bits_equal(run["res"].probs, moved_probs(run["res"], run["probs"]), f"{target}'s permuted probs")
+    for target, run in runs.items():
+        assert_bits_equal(run["res"].probs, run["ref_probs"], f"{target}'s permuted probs")
     if DEVICE.type == "cpu":  # the same router probs on both targets
         assert_bits_equal(tr.probs, nr.probs, "permuted probs")
     else:  # each device's router matmul rounds its own way
