@@ -30,9 +30,10 @@ class RowIdMap(NamedTuple):
         dst rows        [N, W]  row of each route, -1 where it lands nowhere (no route, or dropped)
         experts         [N, W]  mask routing only: the token's experts in ascending order
         route counts    [N]     mask routing only: routes of each token, which fill its first
-                                slots; the slots after them are never read, except that on the
-                                Triton target the dst rows of those among the first min(W, 8)
-                                hold -1 (its gathers read a token's first tile without the count)
+                                slots; what the slots after them hold is never used, except that
+                                on the Triton target the dst rows of those among the first
+                                min(W, 8) hold -1 (its gathers read a token's first tile without
+                                the count)
         segment offsets [E + 1] first row of each expert's segment; [E] = rows in use
         segment counts  [E]     routed (non-pad) rows at the start of each segment
 
