@@ -18,10 +18,11 @@ from permgen.contract import combine_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import copy_bandwidth, graph_us, make_inputs, op_bytes, permute_kwargs  # noqa: E402
+from bench import call_styles, copy_bandwidth, graph_us, make_inputs, op_bytes, permute_kwargs  # noqa: E402
 
 
 SHAPES = [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8), ("mixtral", 16384, 4096, 8, 2)]
+SMALL = ("small", 1024, 1024, 16, 2)
 
 
 def forget_geometry(backend):
@@ -31,25 +32,26 @@ def forget_geometry(backend):
 
 
 def sweep_register_caps(mod, bw):
-    """The gathers' (unpermute) and scatters' (unpermute backward) times against their register cap."""
-    default = host._MAX_REGISTERS
-    for shape, N, H, E, k in SHAPES:
+    """The gathers' (unpermute) and scatters' (unpermute backward) times against their register cap,
+    in each call style (mask routing: with and without topk)."""
+    default = host._register_cap
+    for (shape, N, H, E, k), call in itertools.product(SHAPES + [SMALL], call_styles(mod)):
         tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
-        M, kw = permute_kwargs(mod, N, E, k)
+        M, kw = permute_kwargs(mod, N, E, k, hint=call == "topk")
         res = mod.permute(tokens, routing, probs, scale, **kw)
         permuted = torch.randn(M, H, device="cuda").to(combine_dtype(mod.VARIANT))
         grad = torch.randn(N, H, device="cuda").to(combine_dtype(mod.VARIANT))
         backward = res.row_id_map, grad, permuted, probs
         f_u = op_bytes("unpermute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
         f_b = op_bytes("unpermute_bwd", mod, N, H, E, k, M, routing, probs) / bw * 1e6
-        for regs in (32, 40, 48, 64, 96):
-            host._MAX_REGISTERS = regs
+        for regs in (32, 40, 48, 64):
+            host._register_cap = lambda routes, regs=regs: regs
             forget_geometry(mod._ops.backend)
             t_u = graph_us(lambda: mod.unpermute(permuted, res.row_id_map, probs))
             t_b = graph_us(lambda: mod._ops.backend.unpermute_backward(*backward))
-            print(f"{shape:12s} maxnreg={regs:3d}  unpermute {t_u:8.1f} us x{t_u / f_u:.3f}"
+            print(f"{shape:12s} {call:5s} maxnreg={regs:3d}  unpermute {t_u:8.1f} us x{t_u / f_u:.3f}"
                   f"   unpermute backward (kernels) {t_b:8.1f} us x{t_b / f_b:.3f}", flush=True)
-    host._MAX_REGISTERS = default
+    host._register_cap = default
     forget_geometry(mod._ops.backend)
 
 
@@ -81,7 +83,7 @@ def main():
     if sys.argv[2:] == ["registers"]:
         sweep_register_caps(mod, bw)
         return
-    for shape, N, H, E, k in SHAPES + [("small", 1024, 1024, 16, 2)]:
+    for shape, N, H, E, k in SHAPES + [SMALL]:
         tokens, routing, probs, scale, _ = make_inputs(mod, N, H, E, k)
         M, kw = permute_kwargs(mod, N, E, k)
         permuted = torch.randn(M, H, device="cuda").to(combine_dtype(mod.VARIANT))
