@@ -46,10 +46,10 @@ def main():
     print(f"  current stream handle       {host_us(lambda: torch.cuda.current_stream().cuda_stream):7.1f}")
     gather = getattr(mod, f"{name}_sum_routes_kernel")
     meta = {name: value for name, value in mod._ops.backend._gather_meta(rm, 1024).items() if name != "maxnreg"}
-    launch_us = host_us(lambda: gather[(N,)](permuted, rm.row_map, out, N, H, **meta))
+    launch_us = host_us(lambda: gather[(N,)](permuted, rm.row_map, out, N, M, H, **meta))
     print(f"  one triton launch (gather)  {launch_us:7.1f}")
-    compiled = gather[(N,)](permuted, rm.row_map, out, N, H, **meta)
-    values = (permuted, rm.row_map, out, N, H, *(v for name, v in meta.items() if name != "num_warps"))
+    compiled = gather[(N,)](permuted, rm.row_map, out, N, M, H, **meta)
+    values = (permuted, rm.row_map, out, N, M, H, *(v for name, v in meta.items() if name != "num_warps"))
     print(f"  compiled[grid](*args)       {host_us(lambda: compiled[(N, 1, 1)](*values)):7.1f}")
     stream = torch.cuda.current_stream().cuda_stream
     compiled._init_handles()

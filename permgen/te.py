@@ -166,12 +166,12 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
                   pad_offsets=None, *, align_size=None):
     """Sum each token's permuted rows back into one row, weighted by merging_probs when given.
 
-    inp [rows, H]: the experts' outputs in permuted order; row_id_map: from this module's permute
-    functions; merging_probs: [N, E] (mask) / [N, k] (index) probs or None (plain sum);
-    restore_shape: (N, H), checked; index maps without merging_probs need it for N;
-    probs: TE's old name of merging_probs; pad_offsets: from moe_permute_and_pad_with_probs
-    (selects the padded variant); align_size (permgen): which padded variant, when several are
-    generated. Returns [N, H], accumulated in fp32."""
+    inp [rows, H]: the experts' outputs in permuted order (fewer rows than permute made: the routes
+    to the rows past them count as dropped); row_id_map: from this module's permute functions;
+    merging_probs: [N, E] (mask) / [N, k] (index) probs or None (plain sum); restore_shape: (N, H),
+    checked; index maps without merging_probs need it for N; probs: TE's old name of merging_probs;
+    pad_offsets: from moe_permute_and_pad_with_probs (selects the padded variant); align_size
+    (permgen): which padded variant, when several are generated. Returns [N, H], accumulated in fp32."""
     if probs is not None:
         if merging_probs is not None:
             raise ValueError("Both merging_probs and probs kwarg are provided. probs is deprecated.")

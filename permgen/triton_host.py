@@ -327,10 +327,10 @@ class TritonBackend:
             meta = self._gather_meta(row_id_map, _row_block(permuted))
             if merging_probs is not None:
                 _launch(self.kernels.unpermute, num_tokens, permuted, row_id_map.row_map, merging_probs, out,
-                        num_tokens, hidden, **meta)
+                        num_tokens, row_id_map.num_rows, hidden, **meta)
             else:
-                _launch(self.kernels.sum_routes, num_tokens, permuted, row_id_map.row_map, out, num_tokens, hidden,
-                        **meta)
+                _launch(self.kernels.sum_routes, num_tokens, permuted, row_id_map.row_map, out, num_tokens,
+                        row_id_map.num_rows, hidden, **meta)
         return out
 
     def permute_backward(self, row_id_map, grad_out, grad_out_probs, probs_meta):
@@ -349,16 +349,16 @@ class TritonBackend:
                 if self.mask:
                     meta.update(E_POW2=_pow2(row_id_map.num_experts))
                 _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map, grad_out_probs,
-                        grad_probs, grad_tokens, num_tokens, grad_out.shape[1], **meta)
+                        grad_probs, grad_tokens, num_tokens, row_id_map.num_rows, grad_out.shape[1], **meta)
             elif num_tokens:
                 meta = dict(K=row_id_map.width, ROUTES=self._row_map_tile(row_id_map))
                 if self.mask:
                     meta.update(E=row_id_map.num_experts, E_POW2=_pow2(row_id_map.num_experts))
                 _launch(self.kernels.route_prob_grads, num_tokens, row_id_map.row_map, grad_out_probs, grad_probs,
-                        num_tokens, **meta, num_warps=_NUM_WARPS)
+                        num_tokens, row_id_map.num_rows, **meta, num_warps=_NUM_WARPS)
         elif grad_out is not None and num_tokens:
             _launch(self.kernels.sum_routes, num_tokens, grad_out, row_id_map.row_map, grad_tokens, num_tokens,
-                    grad_out.shape[1], **self._gather_meta(row_id_map, _row_block(grad_out)))
+                    row_id_map.num_rows, grad_out.shape[1], **self._gather_meta(row_id_map, _row_block(grad_out)))
         return grad_tokens, grad_probs
 
     def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs):

@@ -8,6 +8,8 @@ torch.compile(fullgraph=True) (backend="aot_eager" on the CPU, where the kernels
 A dtype, map type or alignment with no generated variant must raise the registry's LookupError.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -222,6 +224,48 @@ def test_permute_and_pad_with_merging_probs(dtype, align, mode, request):
     assert_bits_equal(permuted_probs, ref_probs, "permuted_probs")
     assert_close(unpermuted, ref_unpermuted, "unpermuted")
     check_grads((out, permuted_probs, unpermuted), (ref_out, ref_probs, ref_unpermuted), (inp, p), (inp_r, p_r), g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fewer rows than permute made
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("map_type", ["mask", "index", "padded"])
+def test_unpermute_of_fewer_rows_than_permute_made(map_type, request, poisoned_empty):
+    """TE's row map does not record how many rows permute made, so moe_unpermute may be handed fewer:
+    the routes to rows past them count as dropped, forward and backward, and nothing past them is read
+    or written (the rows handed in are a prefix of a larger tensor whose other rows hold data)."""
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, "bf16", columns=K if map_type == "index" else E)
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    align = 128 if map_type == "padded" else 0
+    if map_type == "index":
+        out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index", num_experts=E)
+        extra = dict(map_type="index")
+    elif map_type == "mask":
+        out, _, row_id_map = permgen.moe_permute_with_probs(tokens, probs, mask)
+        extra = {}
+    else:
+        out, _, row_id_map, pad_offsets, _ = permgen.moe_permute_and_pad_with_probs(tokens, probs, mask, mask.sum(0),
+                                                                                    align)
+        extra = dict(pad_offsets=pad_offsets)
+    routes = permute_ref(tokens, ids if map_type == "index" else mask, routing_kind="index" if map_type == "index"
+                         else "mask", num_experts=E, pad=align)[4]
+    # Mask and index: the last few routes' rows are cut. Padded: the cut falls inside the second
+    # expert's segment, so its pad rows and all later segments are past the rows handed in.
+    rows = int(routes.segment_start[1]) + 1 if map_type == "padded" else routes.num_rows - 5
+    assert 0 < rows < out.shape[0] and bool((routes.dst >= rows).any())
+    keep = routes.dst < rows
+    kept = dataclasses.replace(routes, token=routes.token[keep], col=routes.col[keep], expert=routes.expert[keep],
+                               dst=routes.dst[keep], num_rows=rows)
+    full = (out.detach() * 2).to(torch.float32).to(out.dtype)  # rows past the cut hold data, not zeros
+    inp, p = full[:rows].requires_grad_(), leaf(probs)
+    unpermuted = permgen.moe_unpermute(inp, row_id_map, p, restore_shape=tokens.shape, **extra)
+    inp_r, p_r = leaf(full[:rows]), leaf(probs)
+    ref = unpermute_ref(inp_r, kept, N, p_r)
+    assert_close(unpermuted, ref, "unpermuted")
+    check_grads((unpermuted,), (ref,), (inp, p), (inp_r, p_r), g)
+    assert inp.grad.shape == (rows, H)
 
 
 # ---------------------------------------------------------------------------------------------
