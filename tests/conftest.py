@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from cases import HAS_CUDA, poison  # noqa: E402
+from cases import HAS_CUDA, bits, poison  # noqa: E402
 
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
@@ -45,3 +45,26 @@ def poisoned_empty(monkeypatch):
     real_empty, real_empty_like = torch.empty, torch.empty_like
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+@pytest.fixture
+def guarded_empty(monkeypatch):
+    """As poisoned_empty for torch.empty, and each tensor it makes is the front of a buffer five
+    times its size whose rest is poisoned too. The fixture's value, called, fails the test if any
+    of that rest changed: a kernel wrote past the end of a tensor it was handed."""
+    real_empty = torch.empty
+    buffers = []
+
+    def empty(*size, **kwargs):
+        shape = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+        buffer = poison(real_empty(5 * shape.numel() + 16, **kwargs))
+        buffers.append((buffer, shape.numel(), buffer[shape.numel():].clone()))
+        return buffer[:shape.numel()].view(shape)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+    def check():
+        for buffer, numel, rest in buffers:
+            assert torch.equal(bits(buffer[numel:].cpu()), bits(rest.cpu())), "a kernel wrote past a tensor's end"
+
+    return check
