@@ -323,7 +323,7 @@ class TritonBackend:
     def unpermute(self, row_id_map, permuted, merging_probs):
         num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
         out = torch.empty((num_tokens, hidden), dtype=permuted.dtype, device=permuted.device)
-        if num_tokens:
+        if num_tokens and hidden:  # the gathers assume a column
             meta = self._gather_meta(row_id_map, _row_block(permuted))
             if merging_probs is not None:
                 _launch(self.kernels.unpermute, num_tokens, permuted, row_id_map.row_map, merging_probs, out,
@@ -343,8 +343,8 @@ class TritonBackend:
             shape, dtype = probs_meta
             grad_probs = torch.empty(shape, dtype=dtype, device=grad_out_probs.device)
             grad_out_probs = grad_out_probs.contiguous()
-            if num_tokens and grad_out is not None:
-                # One launch for both: the prob grads ride along with the row sums.
+            if num_tokens and grad_out is not None and grad_out.shape[1]:
+                # One launch for both: the prob grads ride along with the row sums (which assume a column).
                 meta = dict(self._gather_meta(row_id_map, _row_block(grad_out)))
                 if self.mask:
                     meta.update(E_POW2=_pow2(row_id_map.num_experts))
@@ -356,7 +356,7 @@ class TritonBackend:
                     meta.update(E=row_id_map.num_experts, E_POW2=_pow2(row_id_map.num_experts))
                 _launch(self.kernels.route_prob_grads, num_tokens, row_id_map.row_map, grad_out_probs, grad_probs,
                         num_tokens, row_id_map.num_rows, **meta, num_warps=_NUM_WARPS)
-        elif grad_out is not None and num_tokens:
+        elif grad_out is not None and num_tokens and grad_out.shape[1]:
             _launch(self.kernels.sum_routes, num_tokens, grad_out, row_id_map.row_map, grad_tokens, num_tokens,
                     row_id_map.num_rows, grad_out.shape[1], **self._gather_meta(row_id_map, _row_block(grad_out)))
         return grad_tokens, grad_probs

@@ -56,6 +56,7 @@ CASES = [
     Case("spare_rows", N=11, H=72, E=4, k=2, cap="spare"),
     Case("ragged", N=19, H=80, E=9, k=4, ragged=True),
     Case("k10", N=6, H=40, E=10, k=10),  # more routes per token than a route tile holds
+    Case("no_columns", N=9, H=0, E=4, k=2),  # routing and prob grads, no row bytes
 ]
 
 
