@@ -44,7 +44,7 @@ def run(checkout, shapes):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("baseline", nargs="?", type=Path)
+    parser.add_argument("baseline", nargs="?", type=lambda p: Path(p).resolve())
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--shapes", nargs="*", default=["small", "deepseek_v3_4k"])
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)

@@ -45,7 +45,7 @@ def sweep_register_caps(mod, bw):
         f_u = op_bytes("unpermute", mod, N, H, E, k, M, routing, probs) / bw * 1e6
         f_b = op_bytes("unpermute_bwd", mod, N, H, E, k, M, routing, probs) / bw * 1e6
         for regs in (32, 40, 48, 64):
-            host._register_cap = lambda routes, regs=regs: regs
+            host._register_cap = lambda routes, scatter=False, regs=regs: regs
             forget_geometry(mod._ops.backend)
             t_u = graph_us(lambda: mod.unpermute(permuted, res.row_id_map, probs))
             t_b = graph_us(lambda: mod._ops.backend.unpermute_backward(*backward))

@@ -117,12 +117,14 @@ def _routing_scratch(device, words):
     return scratch
 
 
-def _register_cap(routes):
-    """Registers per thread of the gathers and scatters for a tile of `routes` rows, which they hold in
-    fp32 (80-105 registers uncapped). H200: tiles of 8 at 64, 8 programs of 4 warps per SM instead of
-    4-6 (mask-routing unpermute backward: 1.19 -> 1.07x the copy floor; 48 made it 1.12x); tiles of 2
-    at 40, 12 programs instead of 10 (Mixtral's mask unpermute without topk: 1.099 -> 1.079x)."""
-    return 40 if routes <= 2 else 64
+def _register_cap(routes, scatter=False):
+    """Registers per thread of the gathers (scatter=False) or scatters for a tile of `routes` rows,
+    which they hold in fp32 (80-105 registers uncapped). H200: tiles of 8 at 64, 8 programs of 4 warps
+    per SM instead of 4-6 (mask-routing unpermute backward: 1.19 -> 1.07x the copy floor; 48 made it
+    1.12x). Gathers of tiles of 2 at 40, 12 programs instead of 10 (Mixtral's mask unpermute without
+    topk: 1.099 -> 1.079x); scatters keep 64 (at 40 the small shape's index unpermute backward ran
+    5% slower, Mixtral's level)."""
+    return 40 if routes <= 2 and not scatter else 64
 
 
 def _row_block(t):
@@ -369,6 +371,7 @@ class TritonBackend:
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
         programs = zero_programs + num_tokens
         meta = dict(self._gather_meta(row_id_map, _row_block(grad_out)), E=num_experts, **zero_meta)
+        meta.update(maxnreg=_register_cap(meta["ROUTES"], scatter=True))
         sizes = (num_tokens, num_rows, hidden, zero_programs, tail_programs)
         if merging_probs is not None:
             grad_probs = torch.empty(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device)
