@@ -166,19 +166,24 @@ def op_bytes(op, mod, N, H, E, k, M, routing, probs):
     raise ValueError(op)
 
 
-def graph_us(fn):
-    """GPU time alone: the op replayed from a CUDA graph (no launch or Python overhead)."""
+def captured(fn):
+    """A CUDA graph of fn, captured after one call outside it."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench(graph.replay)
+    return graph
 
 
-def backward_graph_us(setup):
-    """GPU time of a backward pass alone. The forward runs on a side stream, so autograd runs the
-    backward there too, and autograd.grad is captured in a CUDA graph on that stream."""
+def graph_us(fn):
+    """GPU time alone: the op replayed from a CUDA graph (no launch or Python overhead)."""
+    return bench(captured(fn).replay)
+
+
+def captured_backward(setup):
+    """A CUDA graph of the backward pass setup() returns. The forward runs on a side stream, so
+    autograd runs the backward there too, and autograd.grad is captured on that stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -188,7 +193,12 @@ def backward_graph_us(setup):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         fn()
-    return bench(graph.replay)
+    return graph
+
+
+def backward_graph_us(setup):
+    """GPU time of a backward pass alone (captured_backward)."""
+    return bench(captured_backward(setup).replay)
 
 
 def run_shape(name, N, H, E, k, variants, copy_bw, results):

@@ -50,28 +50,9 @@ def graphs(mod, x):
         out = mod.unpermute(u_in, res.row_id_map, m_in)
         return lambda: torch.autograd.grad(out, [u_in, m_in], x["grad_out"], retain_graph=True)
 
-    def captured(fn):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph
-
-    def backward(setup):  # the forward on a side stream, so autograd runs the backward there (bench.py)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn = setup()
-            fn()
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-        return graph
-
-    return {"unpermute": lambda: captured(lambda: mod.unpermute(x["permuted"], res.row_id_map, x["probs"])),
-            "permute_bwd": lambda: backward(permute_backward), "unpermute_bwd": lambda: backward(unpermute_backward)}
+    return {"unpermute": lambda: bench.captured(lambda: mod.unpermute(x["permuted"], res.row_id_map, x["probs"])),
+            "permute_bwd": lambda: bench.captured_backward(permute_backward),
+            "unpermute_bwd": lambda: bench.captured_backward(unpermute_backward)}
 
 
 def inputs(mod):
