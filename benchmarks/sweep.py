@@ -27,7 +27,8 @@ SMALL = ("small", 1024, 1024, 16, 2)
 
 def forget_geometry(backend):
     """The backend caches each shape's launch geometry: a changed setting counts from the next call."""
-    for cache in (backend._routing_launch, backend._rows_launch, backend._gather_launch):
+    for cache in (backend._routing_launch, backend._rows_launch, backend._gather_launch, backend._prob_grads_launch,
+                  backend._scatter_launch):
         cache.cache_clear()
 
 

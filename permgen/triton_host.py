@@ -176,6 +176,8 @@ class TritonBackend:
         self._routing_launch = functools.lru_cache(maxsize=1024)(self._routing_geometry)
         self._rows_launch = functools.lru_cache(maxsize=1024)(self._rows_geometry)
         self._gather_launch = functools.lru_cache(maxsize=1024)(self._gather_geometry)
+        self._prob_grads_launch = functools.lru_cache(maxsize=1024)(self._prob_grads_geometry)
+        self._scatter_launch = functools.lru_cache(maxsize=1024)(self._scatter_geometry)
 
     def check_device(self, tokens):
         if tokens.device.type != self.device_type:
@@ -202,9 +204,6 @@ class TritonBackend:
             return _pow2(width)
         typical = round(num_rows / num_tokens) if num_tokens else 1
         return min(_pow2(typical), self._widest_mask_tile(width, num_experts))
-
-    def _row_map_tile(self, row_id_map):
-        return self._route_tile(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens, row_id_map.num_rows)
 
     def _routing_geometry(self, num_tokens, width, num_experts):
         """(programs, scratch words, constexprs) of the routing kernel for one shape."""
@@ -255,18 +254,40 @@ class TritonBackend:
         meta.update(zero_meta, num_warps=_NUM_WARPS)
         return zero_programs + num_tokens, zero_programs, tail_programs, meta
 
-    def _gather_geometry(self, width, num_experts, num_tokens, num_rows, hidden_block):
-        """Constexprs of the gathers and scatters for one shape (shared: never changed by a caller)."""
+    # The constexprs of the gathers, prob-grad and scatter kernels for one shape: dicts shared between
+    # calls, never changed by a caller.
+
+    def _gather_geometry(self, width, num_experts, num_tokens, num_rows, hidden_block, prob_grads):
+        """The row sums' (unpermute, permute backward; prob_grads: with the prob grads)."""
         meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
         if self.mask:
-            meta.update(E=num_experts)
+            meta.update(E=num_experts, **(dict(E_POW2=_pow2(num_experts)) if prob_grads else {}))
         meta.update(BLOCK_H=hidden_block, num_warps=_NUM_WARPS, maxnreg=_register_cap(meta["ROUTES"]))
         return meta
 
-    def _gather_meta(self, row_id_map, hidden_block):
-        """The gathers' and scatters' constexprs for a row map: a shared dict, copied by callers that add some."""
+    def _prob_grads_geometry(self, width, num_experts, num_tokens, num_rows):
+        """The prob grads' alone (permute backward of fp8 tokens)."""
+        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
+        if self.mask:
+            meta.update(E=num_experts, E_POW2=_pow2(num_experts))
+        meta.update(num_warps=_NUM_WARPS)
+        return meta
+
+    def _scatter_geometry(self, width, num_experts, num_tokens, num_rows, hidden_block, weighted):
+        """(zero programs, tail programs, constexprs) of the scatters (unpermute backward): their first
+        programs zero every row that is not some token's route."""
+        zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
+        routes = self._route_tile(width, num_experts, num_tokens, num_rows)
+        meta = dict(K=width, ROUTES=routes, E=num_experts)
+        if self.mask and weighted:
+            meta.update(E_POW2=_pow2(num_experts))
+        meta.update(BLOCK_H=hidden_block, **zero_meta, num_warps=_NUM_WARPS,
+                    maxnreg=_register_cap(routes, scatter=True))
+        return zero_programs, tail_programs, meta
+
+    def _gather_meta(self, row_id_map, hidden_block, prob_grads=False):
         return self._gather_launch(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens,
-                                   row_id_map.num_rows, hidden_block)
+                                   row_id_map.num_rows, hidden_block, prob_grads)
 
     def row_id_map(self, row_map, routing, plan, num_rows):
         return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
@@ -347,17 +368,14 @@ class TritonBackend:
             grad_out_probs = grad_out_probs.contiguous()
             if num_tokens and grad_out is not None and grad_out.shape[1]:
                 # One launch for both: the prob grads ride along with the row sums (which assume a column).
-                meta = dict(self._gather_meta(row_id_map, _row_block(grad_out)))
-                if self.mask:
-                    meta.update(E_POW2=_pow2(row_id_map.num_experts))
                 _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map, grad_out_probs,
-                        grad_probs, grad_tokens, num_tokens, row_id_map.num_rows, grad_out.shape[1], **meta)
+                        grad_probs, grad_tokens, num_tokens, row_id_map.num_rows, grad_out.shape[1],
+                        **self._gather_meta(row_id_map, _row_block(grad_out), prob_grads=True))
             elif num_tokens:
-                meta = dict(K=row_id_map.width, ROUTES=self._row_map_tile(row_id_map))
-                if self.mask:
-                    meta.update(E=row_id_map.num_experts, E_POW2=_pow2(row_id_map.num_experts))
+                meta = self._prob_grads_launch(row_id_map.width, row_id_map.num_experts, num_tokens,
+                                               row_id_map.num_rows)
                 _launch(self.kernels.route_prob_grads, num_tokens, row_id_map.row_map, grad_out_probs, grad_probs,
-                        num_tokens, row_id_map.num_rows, **meta, num_warps=_NUM_WARPS)
+                        num_tokens, row_id_map.num_rows, **meta)
         elif grad_out is not None and num_tokens and grad_out.shape[1]:
             _launch(self.kernels.sum_routes, num_tokens, grad_out, row_id_map.row_map, grad_tokens, num_tokens,
                     row_id_map.num_rows, grad_out.shape[1], **self._gather_meta(row_id_map, _row_block(grad_out)))
@@ -367,16 +385,12 @@ class TritonBackend:
         num_tokens, num_rows, num_experts = row_id_map.num_tokens, row_id_map.num_rows, row_id_map.num_experts
         hidden = grad_out.shape[1]
         grad_permuted = torch.empty((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device)
-        # Every row that is not some token's route must come back as zeros.
-        zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
+        zero_programs, tail_programs, meta = self._scatter_launch(
+            row_id_map.width, num_experts, num_tokens, num_rows, _row_block(grad_out), merging_probs is not None)
         programs = zero_programs + num_tokens
-        meta = dict(self._gather_meta(row_id_map, _row_block(grad_out)), E=num_experts, **zero_meta)
-        meta.update(maxnreg=_register_cap(meta["ROUTES"], scatter=True))
         sizes = (num_tokens, num_rows, hidden, zero_programs, tail_programs)
         if merging_probs is not None:
             grad_probs = torch.empty(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device)
-            if self.mask:
-                meta.update(E_POW2=_pow2(num_experts))
             if programs:
                 _launch(self.kernels.unpermute_backward, programs, grad_out, row_id_map.row_map, merging_probs,
                         permuted, grad_probs, grad_permuted, *sizes, **meta)
