@@ -257,19 +257,25 @@ class TritonBackend:
     # The constexprs of the gathers, prob-grad and scatter kernels for one shape: dicts shared between
     # calls, never changed by a caller.
 
+    def _route_meta(self, width, num_experts, num_tokens, num_rows, experts, prob_grads):
+        """K and ROUTES of a kernel that visits each token's route slots; E where it takes the expert
+        count (experts), and E_POW2 where it zeroes mask routing's rows of E prob grads (prob_grads)."""
+        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
+        if experts:
+            meta.update(E=num_experts)
+        if prob_grads and self.mask:
+            meta.update(E_POW2=_pow2(num_experts))
+        return meta
+
     def _gather_geometry(self, width, num_experts, num_tokens, num_rows, hidden_block, prob_grads):
         """The row sums' (unpermute, permute backward; prob_grads: with the prob grads)."""
-        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
-        if self.mask:
-            meta.update(E=num_experts, **(dict(E_POW2=_pow2(num_experts)) if prob_grads else {}))
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.mask, prob_grads)
         meta.update(BLOCK_H=hidden_block, num_warps=_NUM_WARPS, maxnreg=_register_cap(meta["ROUTES"]))
         return meta
 
     def _prob_grads_geometry(self, width, num_experts, num_tokens, num_rows):
         """The prob grads' alone (permute backward of fp8 tokens)."""
-        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
-        if self.mask:
-            meta.update(E=num_experts, E_POW2=_pow2(num_experts))
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.mask, True)
         meta.update(num_warps=_NUM_WARPS)
         return meta
 
@@ -277,12 +283,9 @@ class TritonBackend:
         """(zero programs, tail programs, constexprs) of the scatters (unpermute backward): their first
         programs zero every row that is not some token's route."""
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
-        routes = self._route_tile(width, num_experts, num_tokens, num_rows)
-        meta = dict(K=width, ROUTES=routes, E=num_experts)
-        if self.mask and weighted:
-            meta.update(E_POW2=_pow2(num_experts))
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, True, weighted)
         meta.update(BLOCK_H=hidden_block, **zero_meta, num_warps=_NUM_WARPS,
-                    maxnreg=_register_cap(routes, scatter=True))
+                    maxnreg=_register_cap(meta["ROUTES"], scatter=True))
         return zero_programs, tail_programs, meta
 
     def _gather_meta(self, row_id_map, hidden_block, prob_grads=False):
