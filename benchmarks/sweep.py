@@ -18,11 +18,11 @@ from permgen.contract import combine_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench  # noqa: E402
 from bench import call_styles, copy_bandwidth, graph_us, make_inputs, op_bytes, permute_kwargs  # noqa: E402
 
-
-SHAPES = [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8), ("mixtral", 16384, 4096, 8, 2)]
-SMALL = ("small", 1024, 1024, 16, 2)
+SHAPES = [shape for shape in bench.SHAPES if shape[0] in bench.LARGE]
+SMALL = next(shape for shape in bench.SHAPES if shape[0] == "small")
 
 
 def forget_geometry(backend):
