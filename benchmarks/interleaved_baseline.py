@@ -2,11 +2,13 @@
 process: the two CUDA graphs of an op are replayed in turn, round after round, on the same inputs.
 
     git archive 899ed6f benchmarks generated | tar -x -C /tmp/baseline
-    PYTHONPATH=. python3 benchmarks/interleaved_baseline.py /tmp/baseline [--rounds 21] [--control]
+    PYTHONPATH=. python3 benchmarks/interleaved_baseline.py /tmp/baseline [--rounds 21] [--control] \
+        [--variants probs_bf16_mask ...] [--ops permute_bwd ...] [--processes 1]
 
 Launch-bound figures (~6-10 us at N=1024) move by a few tenths of a us between processes, so
 shape_baseline.py's medians over processes resolve 2% poorly; here both sides share a process,
-each with its own copy of the same inputs. --control times today's modules against themselves:
+each with its own copy of the same inputs. --processes repeats each child process, which draws new
+addresses, and prints each run and the median ratio over them. --control times today's modules against themselves:
 what placement in memory alone does to a figure. Each (variant, op) runs in a child process of its own: with
 several backward graphs in one process the baseline's modules (899ed6f) hit an illegal memory
 access, which --control did not. The baseline's modules are imported as `generated.triton.<variant>`
@@ -88,19 +90,28 @@ def main():
     parser.add_argument("baseline", type=lambda p: str(Path(p).resolve()))
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--control", action="store_true", help="today's modules against themselves")
+    parser.add_argument("--variants", nargs="+", default=bench.VARIANTS, choices=bench.VARIANTS)
+    parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
+    parser.add_argument("--processes", type=int, default=1, help="child processes per (variant, op)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.baseline, *args.child, args.rounds, args.control)
         return
     print(f"{'variant':36s} {'op':14s} {'control' if args.control else 'baseline':>9s} {'ours':>7s} ratio   (minima)")
-    for vname in bench.VARIANTS:
-        for op in OPS:
+    for vname in args.variants:
+        for op in args.ops:
             cmd = [sys.executable, __file__, args.baseline, "--rounds", str(args.rounds), "--child", vname, op]
-            out = subprocess.run(cmd + (["--control"] if args.control else []), capture_output=True, text=True,
-                                 check=True).stdout
-            base, ours, base_min, ours_min = map(float, out.split("RESULT")[-1].split())
-            print(f"{vname:36s} {op:14s} {base:9.2f} {ours:7.2f} {ours / base:.3f}   ({base_min:.2f} / {ours_min:.2f})")
+            ratios = []
+            for _ in range(args.processes):
+                out = subprocess.run(cmd + (["--control"] if args.control else []), capture_output=True, text=True,
+                                     check=True).stdout
+                base, ours, base_min, ours_min = map(float, out.split("RESULT")[-1].split())
+                ratios.append(ours / base)
+                print(f"{vname:36s} {op:14s} {base:9.2f} {ours:7.2f} {ours / base:.3f}   ({base_min:.2f} / {ours_min:.2f})",
+                      flush=True)
+            if args.processes > 1:
+                print(f"{vname:36s} {op:14s} median ratio over {args.processes} processes: {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":
