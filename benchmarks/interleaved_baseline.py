@@ -104,9 +104,10 @@ def main():
             cmd = [sys.executable, __file__, args.baseline, "--rounds", str(args.rounds), "--child", vname, op]
             ratios = []
             for _ in range(args.processes):
-                out = subprocess.run(cmd + (["--control"] if args.control else []), capture_output=True, text=True,
-                                     check=True).stdout
-                base, ours, base_min, ours_min = map(float, out.split("RESULT")[-1].split())
+                child_run = subprocess.run(cmd + (["--control"] if args.control else []), capture_output=True, text=True)
+                if child_run.returncode:
+                    sys.exit(f"{vname} {op}: the child process failed:\n{child_run.stderr[-4000:]}")
+                base, ours, base_min, ours_min = map(float, child_run.stdout.split("RESULT")[-1].split())
                 ratios.append(ours / base)
                 print(f"{vname:36s} {op:14s} {base:9.2f} {ours:7.2f} {ours / base:.3f}   ({base_min:.2f} / {ours_min:.2f})",
                       flush=True)
