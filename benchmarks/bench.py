@@ -201,6 +201,31 @@ def backward_graph_us(setup):
     return bench(captured_backward(setup).replay)
 
 
+def backward_passes(mod, tokens, routing, probs, scale, kw, permuted, row_id_map, grads):
+    """(permute backward, unpermute backward) as a training step runs them, through autograd: each,
+    called, runs a fresh forward and returns the function that runs its backward. grads: those of
+    the permuted rows (unused for fp8 tokens, which carry none), the permuted probs and the
+    unpermuted tokens."""
+    grad_rows, grad_row_probs, grad_out = grads
+    grad_ok = not mod.VARIANT["dtype"].startswith("fp8")
+
+    def permute_backward():
+        t_in = tokens.detach().clone().requires_grad_(grad_ok)
+        p_in = probs.detach().clone().requires_grad_()
+        out = mod.permute(t_in, routing, p_in, scale, **kw)
+        outs, ins = ([out.tokens] if grad_ok else []) + [out.probs], ([t_in] if grad_ok else []) + [p_in]
+        out_grads = ([grad_rows] if grad_ok else []) + [grad_row_probs]
+        return lambda: torch.autograd.grad(outs, ins, out_grads, retain_graph=True)
+
+    def unpermute_backward():
+        u_in = permuted.detach().clone().requires_grad_()
+        m_in = probs.detach().clone().requires_grad_()
+        out = mod.unpermute(u_in, row_id_map, m_in)
+        return lambda: torch.autograd.grad(out, [u_in, m_in], grad_out, retain_graph=True)
+
+    return permute_backward, unpermute_backward
+
+
 def run_shape(name, N, H, E, k, variants, copy_bw, results):
     for vname in variants:
         mod = load(vname)
@@ -219,26 +244,13 @@ def run_variant(name, N, H, E, k, mod, call, copy_bw, results):
     permuted = torch.randn(M, H, device="cuda").to(combine_dtype(v))
     unp = lambda: mod.unpermute(permuted, res.row_id_map, probs)  # noqa: E731
 
-    # backward passes, through autograd as a training step runs them
-    grad_ok = not v["dtype"].startswith("fp8")
-
-    def permute_backward():
-        t_in = tokens.detach().clone().requires_grad_(grad_ok)
-        p_in = probs.detach().clone().requires_grad_()
-        r2 = mod.permute(t_in, routing, p_in, scale, **kw)
-        outs, ins = ([r2.tokens] if grad_ok else []) + [r2.probs], ([t_in] if grad_ok else []) + [p_in]
-        gs = ([torch.randn(M, H, device="cuda").to(tokens.dtype)] if grad_ok else []) + [torch.randn(M, device="cuda")]
-        return lambda: torch.autograd.grad(outs, ins, gs, retain_graph=True)
-
-    def unpermute_backward():
-        u_in = permuted.detach().clone().requires_grad_()
-        m_in = probs.detach().clone().requires_grad_()
-        u_out = mod.unpermute(u_in, res.row_id_map, m_in)
-        g_out = torch.randn(N, H, device="cuda").to(combine_dtype(v))
-        return lambda: torch.autograd.grad(u_out, [u_in, m_in], g_out, retain_graph=True)
-
-    pbwd, ubwd = permute_backward(), unpermute_backward()
+    grad_ok = not v["dtype"].startswith("fp8")  # fp8 tokens carry no grad
     g_out = torch.randn(N, H, device="cuda").to(combine_dtype(v))
+    grads = (torch.randn(M, H, device="cuda").to(tokens.dtype) if grad_ok else None, torch.randn(M, device="cuda"),
+             g_out)
+    permute_backward, unpermute_backward = backward_passes(mod, tokens, routing, probs, scale, kw, permuted,
+                                                           res.row_id_map, grads)
+    pbwd, ubwd = permute_backward(), unpermute_backward()
 
     # the PyTorch-native path on the same data
     probs_topk = probs.gather(1, ids) if v["routing"] == "mask" else probs

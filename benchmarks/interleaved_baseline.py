@@ -36,22 +36,9 @@ def graphs(mod, x):
     """op -> a function capturing a CUDA graph of it for one module, on inputs x (as bench.run_variant times it)."""
     kw = dict(num_experts=E, num_out_tokens=x["M"], **({"topk": k} if mod.VARIANT["routing"] == "mask" else {}))
     res = mod.permute(x["tokens"], x["routing"], x["probs"], x["scale"], **kw)
-    grad_ok = not mod.VARIANT["dtype"].startswith("fp8")
-
-    def permute_backward():
-        t_in = x["tokens"].detach().clone().requires_grad_(grad_ok)
-        p_in = x["probs"].detach().clone().requires_grad_()
-        out = mod.permute(t_in, x["routing"], p_in, x["scale"], **kw)
-        outs, ins = ([out.tokens] if grad_ok else []) + [out.probs], ([t_in] if grad_ok else []) + [p_in]
-        grads = ([x["grad_rows"]] if grad_ok else []) + [x["grad_row_probs"]]
-        return lambda: torch.autograd.grad(outs, ins, grads, retain_graph=True)
-
-    def unpermute_backward():
-        u_in = x["permuted"].detach().clone().requires_grad_()
-        m_in = x["probs"].detach().clone().requires_grad_()
-        out = mod.unpermute(u_in, res.row_id_map, m_in)
-        return lambda: torch.autograd.grad(out, [u_in, m_in], x["grad_out"], retain_graph=True)
-
+    permute_backward, unpermute_backward = bench.backward_passes(
+        mod, x["tokens"], x["routing"], x["probs"], x["scale"], kw, x["permuted"], res.row_id_map,
+        (x["grad_rows"], x["grad_row_probs"], x["grad_out"]))
     return {"unpermute": lambda: bench.captured(lambda: mod.unpermute(x["permuted"], res.row_id_map, x["probs"])),
             "permute_bwd": lambda: bench.captured_backward(permute_backward),
             "unpermute_bwd": lambda: bench.captured_backward(unpermute_backward)}
