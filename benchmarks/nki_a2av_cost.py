@@ -22,12 +22,12 @@ sys.path.insert(0, str(ROOT))
 
 import ml_dtypes  # noqa: E402
 
-import nki_emulator  # noqa: E402
+from permgen import nki_emulator  # noqa: E402
 
 nki_emulator.install()
 
-from nki_emulator import Platform, run_ranks  # noqa: E402
-from nki_emulator.collectives import ReplicaGroup  # noqa: E402
+from permgen.nki_emulator import Platform, run_ranks  # noqa: E402
+from permgen.nki_emulator.collectives import ReplicaGroup  # noqa: E402
 from permgen.nki_a2av import exchange_for, permute_a2av, unpermute_a2av  # noqa: E402
 
 

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import nki_emulator  # noqa: E402
+from permgen import nki_emulator  # noqa: E402
 
 nki_emulator.install()
 

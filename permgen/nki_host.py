@@ -7,7 +7,7 @@ and adds autograd on top, exactly as for Triton, and defines the custom ops thro
 call for the call's shapes, dtypes and non-tensor argument values and reuses it afterwards. CPU
 tensors run through `nki.simulate`: they go in as NumPy arrays (bfloat16 and fp8 as ml_dtypes
 arrays) and the outputs come back as torch tensors. Where the real `nki` package (AWS Neuron) does
-not import, the repository's NumPy emulator (`nki_emulator`) stands in for it.
+not import, permgen's NumPy emulator (`permgen.nki_emulator`) stands in for it.
 
 Static sizes: every size that shapes a kernel is a Python int, so a distinct value is a distinct
 compile on Neuron. With `num_out_tokens` given, permute passes it as the row capacity and reads
@@ -44,11 +44,8 @@ def ensure_nki() -> None:
     """Make `import nki` work: the real package, or where it is absent the repository's CPU emulator."""
     if "nki" in sys.modules or importlib.util.find_spec("nki") is not None:
         return
-    try:
-        import nki_emulator
-    except ImportError as err:
-        raise ImportError("the nki target needs the `nki` package (AWS Neuron pip index) or the nki_emulator "
-                          "package of the permgen repository on sys.path") from err
+    from . import nki_emulator  # ships with permgen: the NKI variants run on CPU tensors without Neuron
+
     nki_emulator.install()
 
 

@@ -102,7 +102,7 @@ def load(target: str, name: str):
     import permgen
 
     if target == "nki":
-        import nki_emulator
+        from permgen import nki_emulator
 
         nki_emulator.install()
     module = permgen.get_kernel(target, **axes_of(name))

@@ -138,7 +138,7 @@ def neuron_device():
     directly, and a kernel called with torch tensors runs as torch-neuronx would run it (here through
     nki.simulate, in the emulator). Yields the list of compile keys of those calls, in order;
     len(set(keys)) is how many compiles a Neuron host would make. Needs the emulator as `nki`."""
-    import nki_emulator
+    from permgen import nki_emulator
     from permgen import neuron_ops, nki_host
 
     if nki_emulator.real_nki_available():
@@ -219,7 +219,7 @@ def install() -> types.ModuleType:
     the real torch-neuronx is installed."""
     if real_torch_neuronx_available():
         raise NeuronContractError("the real torch-neuronx is installed: the model does not replace it")
-    import nki_emulator
+    from permgen import nki_emulator
 
     nki_emulator.install()
     _register_backend()

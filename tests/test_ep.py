@@ -595,8 +595,8 @@ def test_triton_dispatch_matches_nki_permute_a2av(world):
     slot), rank d's receive buffer is source-major [source s: its routes to d's experts, expert by
     expert]. The Triton dispatch returns the same rows expert-major: the chunk sort of the receive
     buffer's (source, local expert) chunks into (local expert, source) order."""
-    from nki_emulator import run_ranks
-    from nki_emulator.collectives import ReplicaGroup
+    from permgen.nki_emulator import run_ranks
+    from permgen.nki_emulator.collectives import ReplicaGroup
     from permgen.nki_host import from_kernel, to_kernel
 
     _, triton_out = results_for(world)

@@ -19,14 +19,14 @@ import torch
 
 import importlib.util
 
-import nki_emulator
+from permgen import nki_emulator
 
 nki_emulator.install()
 
 from cases import bits, load, stable_seed, variants_for  # noqa: E402
-from nki_emulator import EmulatorError, Platform, jit, run_ranks  # noqa: E402
-from nki_emulator.collectives import ReplicaGroup  # noqa: E402
-from nki_emulator.testing import REAL_NKI, ROOT, nki_modules_restored  # noqa: E402
+from permgen.nki_emulator import EmulatorError, Platform, jit, run_ranks  # noqa: E402
+from permgen.nki_emulator.collectives import ReplicaGroup  # noqa: E402
+from permgen.nki_emulator.testing import REAL_NKI, ROOT, nki_modules_restored  # noqa: E402
 from permgen import contract  # noqa: E402
 from permgen.nki_host import from_kernel, to_kernel  # noqa: E402
 

@@ -9,11 +9,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import nki_emulator
-from nki_emulator import EmulatorError, jit, simulate
-from nki_emulator import isa as nisa
-from nki_emulator import language as nl
-from nki_emulator.testing import nki_modules_restored
+from permgen import nki_emulator
+from permgen.nki_emulator import EmulatorError, jit, simulate
+from permgen.nki_emulator import isa as nisa
+from permgen.nki_emulator import language as nl
+from permgen.nki_emulator.testing import nki_modules_restored
 
 
 def run(body, *arrays):
@@ -395,8 +395,8 @@ def test_engines_round_to_the_destination_dtype():
 
 
 # --- collectives and the multi-rank driver -------------------------------------------------
-from nki_emulator import collectives as ncc  # noqa: E402
-from nki_emulator import run_ranks  # noqa: E402
+from permgen.nki_emulator import collectives as ncc  # noqa: E402
+from permgen.nki_emulator import run_ranks  # noqa: E402
 
 
 def _hbm(array):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import nki_emulator
+from permgen import nki_emulator
 from cases import (
     CASES,
     Case,

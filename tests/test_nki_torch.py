@@ -66,7 +66,7 @@ def neuron():
 @pytest.fixture
 def neuron_device(neuron):
     """CPU tensors standing in for Neuron tensors (the kernels then run in the emulator)."""
-    import nki_emulator
+    from permgen import nki_emulator
 
     if nki_emulator.real_nki_available():
         pytest.skip("the real nki is installed; the Neuron-tensor model runs kernels in the emulator")
