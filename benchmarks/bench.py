@@ -13,18 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 import permgen
 from permgen.contract import combine_dtype, token_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 SHAPES = [  # name, N, H, E, k
@@ -50,12 +49,33 @@ def copy_bandwidth():
     return 2 * src.numel() * src.element_size() / t
 
 
+@triton.jit
+def _broadcast_rows(src_ptr, dst_rows_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Permute's data movement without its routing: token row t is read once and written to the K
+    rows dst_rows[t, :] (one program per token, one chunk of the row per step)."""
+    token = tl.program_id(0)
+    dst = tl.load(dst_rows_ptr + token * K + tl.arange(0, K)).to(tl.int64)[:, None] * hidden
+    src = src_ptr + token.to(tl.int64) * hidden
+    for h0 in range(0, hidden, BLOCK_H):
+        col = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(src + col, mask=col < hidden)
+        tl.store(out_ptr + dst + col[None, :], tl.broadcast_to(x[None, :], (K, BLOCK_H)), mask=(col < hidden)[None, :])
+
+
+def expert_sorted_rows(N, E, k):
+    """dst rows [N, k] in permute's layout (expert-major, ascending token within an expert) for random
+    top-k experts."""
+    experts = torch.rand(N, E, device="cuda").topk(k, dim=1).indices
+    order = experts.flatten().argsort(stable=True)
+    rows = torch.empty(N * k, dtype=torch.int32, device="cuda")
+    rows[order] = torch.arange(N * k, dtype=torch.int32, device="cuda")
+    return rows.view(N, k)
+
+
 def reference_bandwidths():
     """Data movement with permute's shape of traffic, for context (GB/s, read + written): a write-only
     memset, permute's row copy without any routing (Triton, each row read once and written to 8
     expert-sorted rows: the ceiling permute's copy can reach), and PyTorch's broadcast copy."""
-    from copy_patterns import broadcast_kernel, expert_sorted_rows
-
     N, H, k = 16384, 7168, 8
     tokens = torch.randn(N, H, device="cuda").to(torch.bfloat16)
     out = torch.empty(N, k, H, device="cuda", dtype=torch.bfloat16)
@@ -63,8 +83,7 @@ def reference_bandwidths():
     n = out.numel() * 2 + tokens.numel() * 2
     t_fill = bench(lambda: words.zero_()) * 1e-6
     rows = expert_sorted_rows(N, 256, k)
-    t_triton = bench(lambda: broadcast_kernel[(N,)](tokens, rows, out, N, H, K=k, BLOCK_H=1024, MODE=0, STAGES=1,
-                                                    TOKENS=1, num_warps=4)) * 1e-6
+    t_triton = bench(lambda: _broadcast_rows[(N,)](tokens, rows, out, H, K=k, BLOCK_H=1024, num_warps=4)) * 1e-6
     t_torch = bench(lambda: out.copy_(tokens[:, None, :].expand(N, k, H))) * 1e-6
     return {"write-only memset": round(out.numel() * 2 / t_fill / 1e9, 1),
             "Triton 1-read-8-writes broadcast, no routing": round(n / t_triton / 1e9, 1),

@@ -34,8 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # the generator renders the comparison variants the spec does not list
 
 import permgen  # noqa: E402
-from bench import copy_bandwidth, graph_us  # noqa: E402
-from copy_patterns import expert_sorted_rows  # noqa: E402
+from bench import copy_bandwidth, expert_sorted_rows, graph_us  # noqa: E402
 
 SHAPES = [  # name, N, H, E, k
     ("deepseek_v3", 16384, 7168, 256, 8),
