@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .render import GENERATED, MARKER, ROOT, GenerationError, diff_against, render_all, stale_and_foreign, write_all
+from .render import (GENERATED, MARKER, ROOT, GenerationError, diff_against, out_of_date, render_all,
+                     stale_and_foreign, write_all)
 from .spec import SpecError, load_spec
 from .vendor import vendor
 
@@ -45,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.command == "check":
-        diff = diff_against(outputs, args.out, label)
-        if diff:
-            sys.stdout.write(diff)
+        changed = out_of_date(outputs, args.out)
+        if changed:  # the files first, then the diff that explains them, then what to do
+            listing = "".join(f"\n  {label}/{path}: {why}" for path, why in changed)
+            print(f"{label}/ is out of date with the spec ({len(changed)} file{"s" if len(changed) != 1 else ""}):{listing}\n", file=sys.stderr, flush=True)
+            sys.stdout.write(diff_against(outputs, args.out, label))
+            sys.stdout.flush()
             print(f"error: {label}/ is out of date with the spec; run `make generate`", file=sys.stderr)
             return 1
         print(f"{label}/ is up to date ({len(variants)} variants)")

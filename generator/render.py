@@ -179,6 +179,21 @@ def write_all(outputs: list[Output], out_dir: Path = GENERATED) -> tuple[list[Pa
     return written, removed
 
 
+def out_of_date(outputs: list[Output], out_dir: Path = GENERATED) -> list[tuple[Path, str]]:
+    """(path relative to out_dir, why) for every file `generate` would write or remove, in path order."""
+    found = []
+    for output in outputs:
+        dest = out_dir / output.path
+        if not dest.exists():
+            found.append((output.path, "missing"))
+        elif dest.read_text(encoding="utf-8", errors="replace") != output.text:
+            found.append((output.path, "differs from the spec"))
+    stale, foreign = stale_and_foreign(outputs, out_dir)
+    found += [(path, "no variant owns this file any more") for path in stale]
+    found += [(path, f"not generator output (no {MARKER!r} first line); move it out") for path in foreign]
+    return sorted(found)
+
+
 def diff_against(outputs: list[Output], out_dir: Path = GENERATED, label: str = "generated") -> str:
     """A unified diff from what is on disk to what the spec renders; empty when up to date.
 

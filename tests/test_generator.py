@@ -317,6 +317,9 @@ def test_check_labels_paths_by_the_out_directory(tmp_path):
     assert result.returncode == 1
     assert "+++ elsewhere/nki/bf16_index.py (from spec)" in result.stdout and "generated/" not in result.stdout
     assert "elsewhere/ is out of date" in result.stderr
+    # The stale files are named first, each with why, before any diff.
+    assert result.stderr.splitlines()[:2] == ["elsewhere/ is out of date with the spec (1 file):",
+                                              "  elsewhere/nki/bf16_index.py: missing"]
     # Below the working directory, the label is the path from it.
     nested = run_cli("check", "--out", "elsewhere", cwd=tmp_path)
     assert nested.returncode == 1 and "+++ elsewhere/nki/bf16_index.py" in nested.stdout
