@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         changed = out_of_date(outputs, args.out)
         if changed:  # the files first, then the diff that explains them, then what to do
             listing = "".join(f"\n  {label}/{path}: {why}" for path, why in changed)
-            print(f"{label}/ is out of date with the spec ({len(changed)} file{"s" if len(changed) != 1 else ""}):{listing}\n", file=sys.stderr, flush=True)
+            files = f"{len(changed)} file" + ("s" if len(changed) > 1 else "")
+            print(f"{label}/ is out of date with the spec ({files}):{listing}\n", file=sys.stderr, flush=True)
             sys.stdout.write(diff_against(outputs, args.out, label))
             sys.stdout.flush()
             print(f"error: {label}/ is out of date with the spec; run `make generate`", file=sys.stderr)
