@@ -5,10 +5,12 @@
 PYTHON_SYS ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# torch is pinned to the CPU build this project is tested with; the suite needs no GPU.
+# The torch the CPU suite is tested with. `torch==2.13.0` from PyPI is the CUDA build (several GB);
+# the suite needs no GPU, so take the CPU build where you can: a local CPU wheel, or
+# `make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: generate check list test test-gpu bench bench-ep clean
+.PHONY: generate check list test test-gpu bench bench-ep clean gpu-ready
 
 $(VENV)/.generator-deps:
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -16,7 +18,7 @@ $(VENV)/.generator-deps:
 	touch $@
 
 $(VENV)/.test-deps: pyproject.toml $(VENV)/.generator-deps
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
@@ -36,16 +38,22 @@ test: $(VENV)/.test-deps
 # On the GPU machine: the same suite, kernels running natively on the GPU (torch, triton, numpy,
 # ml_dtypes, pytest, hypothesis preinstalled). The checkout is used as it is, not installed:
 # permgen serves ../generated as permgen.generated.
-test-gpu:
+test-gpu: gpu-ready
 	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n 8 tests
 
-bench:
+bench: gpu-ready
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
 
 # Expert-parallel dispatch / combine on 2 GPUs over NCCL (tests/test_ep.py runs over NCCL there too).
-bench-ep:
+bench-ep: gpu-ready
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py --out benchmarks/results
 
+# The GPU targets use the system Python's torch and a CUDA GPU: say so before anything runs.
+gpu-ready:
+	@$(PYTHON_SYS) -c "import torch, triton" 2>/dev/null || { echo "error: this target needs torch and triton in $(PYTHON_SYS) (a CUDA build) and a CUDA GPU; on a CPU-only machine run make test" >&2; exit 2; }
+	@$(PYTHON_SYS) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { echo "error: this target needs a CUDA GPU (torch.cuda.is_available() is False); on a CPU-only machine run make test" >&2; exit 2; }
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info
+	find . -name __pycache__ -type d -prune -not -path "./.git/*" -exec rm -rf {} +
