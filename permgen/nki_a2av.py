@@ -47,7 +47,12 @@ MAX_EXACT = 1 << 24  # whole numbers are exact in fp32 below this
 A2AV_MAX_ELEMENTS = (1 << 32) - 1  # all_to_all_v counts and displacements are uint32 elements
 GENERATIONS = ("trn2", "trn3")
 RANKS_PER_DEVICE = 4  # ranks (logical cores) per device under LNC=2, which trn3's all_to_all_v requires
-_WORD = {1: nl.uint8, 2: nl.uint16, 4: nl.uint32}  # same-width integer views, for zeroing any dtype
+# The unsigned integer dtype of each dtype's width, by dtype name (an NkiTensor has a dtype but no item
+# size), for zeroing a tile of any dtype through an integer view.
+_WORD = {str(dtype): word for word, dtypes in ((nl.uint8, (nl.float8_e4m3fn, nl.float8_e4m3, nl.float8_e5m2, nl.uint8, nl.int8)),
+                                               (nl.uint16, (nl.bfloat16, nl.float16, nl.uint16, nl.int16)),
+                                               (nl.uint32, (nl.float32, nl.uint32, nl.int32)))
+         for dtype in dtypes}
 
 
 def _odd_part(n):
@@ -88,7 +93,7 @@ def _rank_lists(replica_group):
 def _zero(tile):
     """Zero a tile through an integer view of its width: all-zero bits are +0.0 in every float format,
     and no engine has to compute in the tile's own (possibly fp8) format."""
-    nisa.memset(tile.view(_WORD[tile.itemsize]), value=0)
+    nisa.memset(tile.view(_WORD[str(tile.dtype)]), value=0)
 
 
 def _exclusive_scan(counts):
