@@ -5,43 +5,44 @@ The experts are split evenly over the group's ranks in rank order: rank r owns e
 [r * L, (r + 1) * L), L = num_experts / world size. dispatch sends every route of this rank's
 tokens to the rank owning its expert and returns, on each rank, the rows of its L experts:
 
-    permute (the variant's kernels: rows expert-major, so destination-rank-major too)
-      -> capacity mode, or padded variants: pack the routed rows for each destination into the send
-         buffer (row gather kernel): pad rows never travel; in capacity mode each destination's
-         rows fill a fixed slot
+    permute (the variant's kernels: rows expert-major, so destination-rank-major: the send buffer
+             as it is, except for padded variants and capacity mode over several ranks, which pack
+             it with one row gather)
       -> all_to_all_single of the rows (probs, scales beside them), split sizes per rank
-      -> regroup the received rows expert-major (the variant's row gather kernel)
+      -> regroup the received rows from (source, local expert) to (local expert, source) order:
+         one chunk sort (the variant's kernel, one pass at the copy floor), left out where the
+         received rows already are in that order (one rank, or one local expert and no capacity
+         slots) and never padded
 
 Received rows are grouped by local expert; within an expert by source rank, then token (then
 slot): the rows single-rank `permute` gives over all ranks' tokens concatenated in rank order,
 restricted to this rank's experts. Padded variants pad on the receiver: each local expert's
 segment, all sources together, is padded to a multiple of pad with zero rows, as single-rank
 permute pads it (the sender's per-expert padding is not sent). combine runs the same steps
-backwards (the inverse gather, the reverse all-to-all) and merges with the variant's unpermute
-kernels, which read the send buffer directly through a copy of permute's row map whose routes
-point at their send rows (`send_map`; dropped routes at -1). Both are differentiable: the
-backward pass of one is the other's data path, then permute's (unpermute's) backward kernels over
-the same map.
+backwards (the inverse chunk sort, the reverse all-to-all) and merges with the variant's unpermute
+kernels, which read the send buffer directly through permute's row map (padded variants and
+packed sends: a copy of it whose routes point at their send rows, `send_map`, dropped routes at
+-1). Both are differentiable: the backward pass of one is the other's data path, then permute's
+(unpermute's) backward kernels over the same map.
 
 Two modes:
 
 - dropless (recv_capacity=None): the route counts per expert are counted on the device,
-  exchanged with one small all-to-all, and read back once (send and receive split sizes
-  together: the one device-to-host read, as Megatron's all-to-all dispatcher does). Nothing is
-  dropped.
+  exchanged with one small all-to-all, and read back once (send and receive split sizes and the
+  routing check together: the one device-to-host read, as Megatron's all-to-all dispatcher does).
+  Nothing is dropped; expert ids out of range raise on every rank (check_routing=False skips it).
 - fixed capacity (recv_capacity=C): C is per rank pair. Each rank sends every other rank (and
-  itself) exactly C rows, so all split sizes are static: no host synchronisation, capturable in a
-  CUDA graph. A sender keeps, per destination, its first C rows in its packed order (local expert,
-  then token); the rest are dropped, never written anywhere, and contribute nothing in combine.
-  The output has world_size * C rows (plus num_local_experts * (pad - 1) for padded variants):
-  the kept rows in the layout above, then zero rows. `DispatchResult.dropped` counts, per source
-  rank, the rows routed to this rank that did not fit. Mask routing sizes the sender's buffer by
-  its routes per token: pass topk (permute's hint) or it is sized for num_experts routes per token.
+  itself) exactly C rows, so all split sizes are static: nothing is read back and nothing is
+  allocated by data, so it is capturable in a CUDA graph and traces under
+  torch.compile(fullgraph=True). A sender keeps, per destination, its first C rows in its packed
+  order (local expert, then token); the rest are dropped, never written anywhere, and contribute
+  nothing in combine. The output has world_size * C rows (plus num_local_experts * (pad - 1) for
+  padded variants): the kept rows in the layout above, then zero rows. `DispatchResult.dropped`
+  counts, per source rank, the rows routed to this rank that did not fit. Mask routing sizes the
+  sender's buffer by its routes per token: pass topk (permute's hint) or it is sized for
+  num_experts routes per token. The routing is checked only with check_routing=True (one host read).
 
-Row gathers use the variant's generated row gather kernel (out[r] = src[rows[r]]) on the rows'
-bytes, so one compiled kernel serves tokens, expert outputs, gradients and scales; rows with no
-source (padding, empty slots) read a zero row appended to the source. The collectives move bytes,
-so every dtype goes through gloo (CPU) and NCCL (GPU) alike.
+The collectives move bytes, so every dtype goes through gloo (CPU) and NCCL (GPU) alike.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .contract import _is_int, check_permute, check_tensor, combine_dtype, prob_dtypes
+from .contract import _is_int, check_permute, check_tensor, combine_dtype, prob_dtypes, routing_error
 from .results import RowIdMap, route_words
 
 
@@ -66,9 +67,8 @@ class EpHandle:
     send_map: RowIdMap  # the sender's routes, their rows in the send buffer
     send_splits: list  # rows on the wire to each rank
     recv_splits: list  # rows on the wire from each rank
-    slot_rows: Optional[torch.Tensor]  # int32 [send rows]: permute's row of each (None: the same rows)
-    regroup_rows: torch.Tensor  # int32 [M]: received row of each output row (received rows: none)
-    regroup_inverse: torch.Tensor  # int32 [received rows]: output row of each received row
+    pack_rows: Optional[torch.Tensor]  # int32 [send rows]: permute's row of each send row (None: the same rows)
+    table: Optional[torch.Tensor]  # the regroup's chunk table (None: the received rows are in the output order)
     num_out: int  # M, rows of dispatch's output
     hidden: int
     dropped: torch.Tensor  # int64 [world size]: rows from each source rank that did not fit
@@ -104,34 +104,47 @@ def _row_bytes(t):
     return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
-def _exchange_rows(x, out_splits, in_splits, group, zero_row):
-    """all_to_all_single of the rows of x (any dtype, 1-D or 2-D, moved as bytes); with zero_row
-    one zero row follows the received rows (the source of rows that receive nothing)."""
+def _exchange_rows(x, out_splits, in_splits, group, rows):
+    """all_to_all_single of the rows of x (any dtype, 1-D or 2-D, moved as bytes) into `rows` rows;
+    those past the received ones are zeros (the regroup's pad and empty rows)."""
     received = sum(out_splits)
-    out = torch.empty((received + zero_row, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if zero_row:
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if rows > received:
         out[received:].zero_()
     dist.all_to_all_single(_row_bytes(out[:received]), _row_bytes(x.contiguous()), out_splits, in_splits, group=group)
     return out
 
 
-def _to_experts(h: EpHandle, x):
-    """Send rows (the send buffer's layout) -> this rank's expert-major rows (dispatch's direction).
-    Output rows with no source (padding, rows past the last expert) are zeros."""
-    received = _exchange_rows(x, h.recv_splits, h.send_splits, h.group, zero_row=True)
-    return _gather_rows(h.ops, h.regroup_rows, received)
+def _sort(h: EpHandle, inverse, rows, probs):
+    """The regroup's chunk sort (inverse: its undoing) of rows and probs beside them (either may be None)."""
+    if rows is None:
+        return None, h.ops.backend.sort_chunks(h.table, inverse, probs.contiguous().view(-1, 1), None)[0].view(-1)
+    return h.ops.backend.sort_chunks(h.table, inverse, rows.contiguous(), None if probs is None else probs.contiguous())
 
 
-def _to_sources(h: EpHandle, y):
-    """Expert-major rows -> the send buffer's layout on their source ranks (combine's direction).
-    Send rows that carried no route (empty capacity slots) come back unspecified and are never read."""
-    back = _gather_rows(h.ops, h.regroup_inverse, y)
-    return _exchange_rows(back, h.send_splits, h.recv_splits, h.group, zero_row=False)
+def _to_experts(h: EpHandle, rows, probs=None):
+    """Send rows (the send buffer's layout) -> this rank's expert-major rows (dispatch's
+    direction), and probs beside them (either may be None). Output rows with no source (padding,
+    empty slots) are zeros."""
+    got, got_probs = (None if x is None else _exchange_rows(x, h.recv_splits, h.send_splits, h.group, h.num_out)
+                      for x in (rows, probs))
+    return (got, got_probs) if h.table is None else _sort(h, False, got, got_probs)
+
+
+def _to_sources(h: EpHandle, rows, probs=None):
+    """Expert-major rows -> the send buffer's layout on their source ranks (combine's direction),
+    and probs beside them (either may be None). Send rows that carried no route (empty capacity
+    slots) come back unspecified and are never read."""
+    if h.table is not None:
+        rows, probs = _sort(h, True, rows, probs)
+    received, sent = sum(h.recv_splits), sum(h.send_splits)
+    return tuple(None if x is None else _exchange_rows(x[:received], h.send_splits, h.recv_splits, h.group, sent)
+                 for x in (rows, probs))
 
 
 def _pack(h: EpHandle, permuted):
     """permute's rows -> the send buffer (the routed rows only, in capacity mode slotted)."""
-    return permuted if h.slot_rows is None else _gather_rows(h.ops, h.slot_rows, permuted)
+    return permuted if h.pack_rows is None else _gather_rows(h.ops, h.pack_rows, permuted)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -142,19 +155,20 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, h, res, tokens, probs):
         ctx.h = h
         ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
-        out = _to_experts(h, _pack(h, res.tokens))
-        out_probs = None if res.probs is None else _to_experts(h, _pack(h, res.probs))
+        out, out_probs = _to_experts(h, _pack(h, res.tokens), None if res.probs is None else _pack(h, res.probs))
         if res.tokens.dtype != tokens.dtype or tokens.dtype.itemsize == 1:
             ctx.mark_non_differentiable(out)  # fp8 rows (moved or quantised) are never differentiated
+        ctx.set_materialize_grads(False)
         return out, out_probs
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
         h, needs = ctx.h, ctx.needs_input_grad
-        grad_rows = _to_sources(h, grad_out.contiguous()) if needs[2] and grad_out is not None else None
-        grad_row_probs = _to_sources(h, grad_probs.contiguous()) if needs[3] and grad_probs is not None else None
-        if grad_rows is None and grad_row_probs is None:
+        grad_out = grad_out if needs[2] else None
+        grad_probs = grad_probs if needs[3] else None
+        if grad_out is None and grad_probs is None:
             return None, None, None, None
+        grad_rows, grad_row_probs = _to_sources(h, grad_out, grad_probs)
         grad_tokens, grad_probs = h.ops.backend.permute_backward(
             h.send_map, grad_rows, grad_row_probs, None if grad_row_probs is None else ctx.probs_meta)
         return None, None, grad_tokens, grad_probs
@@ -166,7 +180,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, expert_out, merging_probs):
         ctx.h = h
-        returned = _to_sources(h, expert_out)
+        returned = _to_sources(h, expert_out)[0]
         ctx.save_for_backward(*((returned, merging_probs) if merging_probs is not None else ()))
         return h.ops.backend.unpermute(h.send_map, returned, merging_probs)
 
@@ -176,7 +190,7 @@ class _Combine(torch.autograd.Function):
         returned, merging_probs = ctx.saved_tensors if ctx.saved_tensors else (None, None)
         grad_rows, grad_probs = h.ops.backend.unpermute_backward(h.send_map, grad.contiguous(), returned,
                                                                  merging_probs)
-        grad_expert_out = _to_experts(h, grad_rows) if needs[1] else None
+        grad_expert_out = _to_experts(h, grad_rows)[0] if needs[1] else None
         return None, grad_expert_out, grad_probs if needs[2] else None
 
 
@@ -199,10 +213,14 @@ def _send_row_map(row_id_map, slot_of_row, offsets, counts, num_rows):
                     num_rows, row_id_map.variant)
 
 
-# -- plans ---------------------------------------------------------------------------------------
+# -- plans: every size below is a device tensor, except in dropless mode after its one read ----------
 
 def _round_up(counts, pad):
     return (counts + pad - 1) // pad * pad if pad else counts
+
+
+def _exclusive_cumsum(x, dim):
+    return torch.cumsum(x, dim) - x
 
 
 def _chunked_rows(sizes, starts, steps, num_out):
@@ -224,25 +242,29 @@ def _inverse_rows(rows, num_src, none):
     return inverse[:num_src].to(torch.int32)
 
 
-def _regroup_plan(kept, base, pad, num_out, zero_row):
-    """(rows, padded segment sizes [L]) of the receiver's regroup: output rows per local expert l
-    read, source by source, kept[s, l] rows starting at received row base[s, l], then pad rows
-    (the zero row) up to a multiple of pad, and after the last expert zero rows up to num_out."""
-    num_sources, num_local = kept.shape
+def _regroup_table(ops, kept, blocks, num_out, pad):
+    """The chunk table of the receiver's regroup, and the padded segment sizes [L].
+
+    The received rows, then zero rows up to num_out, as chunks in their order: per source s its
+    block of blocks[s] rows, kept[s, l] rows of each local expert l then its empty slots; then
+    (padded variants) each expert's pad rows; then the zero rows left. Output order: per expert,
+    its chunk of every source and its pad rows; then every empty block; then the rest."""
+    world, local = kept.shape
     device = kept.device
     real = kept.sum(0)
     segments = _round_up(real, pad)
-    sizes = torch.cat([kept.t(), (segments - real)[:, None]], 1).flatten()
-    sizes = torch.cat([sizes, (num_out - segments.sum()).reshape(1)])
-    zero = torch.full((num_local, 1), zero_row, dtype=torch.int64, device=device)
-    starts = torch.cat([torch.cat([base.t(), zero], 1).flatten(), zero[:1, 0]])
-    steps = torch.cat([torch.cat([torch.ones_like(base.t()), torch.zeros_like(zero)], 1).flatten(),
-                       torch.zeros(1, dtype=torch.int64, device=device)])
-    return _chunked_rows(sizes, starts, steps, num_out), segments
-
-
-def _exclusive_cumsum(x, dim):
-    return torch.cumsum(x, dim) - x
+    sizes = [torch.cat([kept, (blocks - kept.sum(1))[:, None]], 1).flatten()]
+    source_chunks = torch.arange(world, device=device) * (local + 1)
+    expert = torch.arange(local, device=device)
+    by_expert = source_chunks[None, :] + expert[:, None]  # [L, W]: chunk (s, l) at s * (L + 1) + l
+    last = world * (local + 1)
+    if pad:
+        sizes.append(segments - real)
+        by_expert = torch.cat([by_expert, (last + expert)[:, None]], 1)
+        last += local
+    sizes.append((num_out - blocks.sum() - (segments - real).sum()).reshape(1))
+    order = torch.cat([by_expert.flatten(), source_chunks + local, torch.arange(last, last + 1, device=device)])
+    return ops.backend.chunk_table(torch.cat(sizes), order), segments
 
 
 def _route_counts(ops, routing, num_experts):
@@ -253,6 +275,23 @@ def _route_counts(ops, routing, num_experts):
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=routing.device)
     return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_experts]
+
+
+def _bad_routes(ops, routing, num_experts, width):
+    """int64 [1]: routing entries permute would refuse (ids outside [-1, E); tokens with more
+    mask routes than topk), counted on the device."""
+    if ops.mask:
+        return ((routing != 0).sum(1) > width).sum(dtype=torch.int64).reshape(1)
+    return ((routing < -1) | (routing >= num_experts)).sum(dtype=torch.int64).reshape(1)
+
+
+def _raise_bad_routing(ops, routing, num_experts, width, bad_per_source, me):
+    """Every rank raises when any rank's routing is bad (the others would wait on it forever)."""
+    if bad_per_source[me]:
+        raise ValueError(f"{ops.name}: {routing_error(ops.variant, routing, num_experts, width)}")
+    culprits = [s for s, bad in enumerate(bad_per_source) if bad]
+    raise ValueError(f"{ops.name}: the routing of rank(s) {culprits} of the group is invalid (they raise the details); "
+                     "no rank dispatched")
 
 
 def _check_group(name, group, device):
@@ -271,99 +310,122 @@ def _check_group(name, group, device):
 
 # -- the public functions ------------------------------------------------------------------------
 
-def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_experts, recv_capacity=None,
-                 topk=None) -> DispatchResult:
+def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_experts=None, recv_capacity=None,
+                 topk=None, check_routing=None) -> DispatchResult:
     name = ops.name
-    if not _is_int(num_experts) or num_experts < 1:
-        raise ValueError(f"{name}: num_experts must be a positive int, got {num_experts!r}")
+    if num_experts is None and not ops.mask:
+        raise ValueError(f"{name}: dispatch needs num_experts, the experts of all ranks together (index routing "
+                         "does not say how many there are); each rank owns num_experts / world size of them")
     if recv_capacity is not None and not _is_int(recv_capacity):
         raise TypeError(f"{name}: recv_capacity must be an int or None, got {type(recv_capacity).__name__}")
     if recv_capacity is not None and recv_capacity < 1:
         raise ValueError(f"{name}: recv_capacity must be at least 1, got {recv_capacity}")
+    if check_routing is not None and not isinstance(check_routing, bool):
+        raise TypeError(f"{name}: check_routing must be a bool or None, got {type(check_routing).__name__}")
     plan = check_permute(ops.variant, tokens, routing, probs, scale, num_experts, None, topk, False)
+    num_experts = plan.num_experts
     ops.backend.check_device(tokens)
     world = _check_group(name, group, tokens.device)
     if num_experts % world:
         raise ValueError(f"{name}: num_experts={num_experts} must be divisible by the group's {world} ranks "
                          "(experts are split evenly over the ranks)")
     local = num_experts // world
+    pad = ops.variant["pad"]
+    check = recv_capacity is None if check_routing is None else check_routing
 
     with torch.no_grad():  # _Dispatch's backward pass runs permute's backward kernels itself
         if recv_capacity is None:
-            plan_ = _dropless_plan(ops, tokens, routing, probs, scale, group, world, local, num_experts, topk)
+            res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, dropped = _dropless_plan(
+                ops, plan, tokens, routing, probs, scale, group, world, local, topk, check)
+            blocks = kept.sum(1)
         else:
-            plan_ = _capacity_plan(ops, tokens, routing, probs, scale, group, world, local, num_experts, topk,
-                                   plan.num_tokens * plan.width, recv_capacity)
-    res, send_map, slot_rows, send_splits, recv_splits, kept, base, num_out, dropped = plan_
-    received = sum(recv_splits)
-    regroup_rows, tokens_per_expert = _regroup_plan(kept, base, ops.variant["pad"], num_out, received)
-    handle = EpHandle(ops, group, send_map, send_splits, recv_splits, slot_rows, regroup_rows,
-                      _inverse_rows(regroup_rows, received, 0), num_out, plan.hidden, dropped)
+            res, send_map, pack_rows, kept, dropped = _capacity_plan(ops, plan, tokens, routing, probs, scale, group,
+                                                                     world, local, topk, recv_capacity, check)
+            send_splits = recv_splits = [recv_capacity] * world
+            num_out = world * recv_capacity + (local * (pad - 1) if pad else 0)
+            blocks = torch.full((world,), recv_capacity, dtype=torch.int64, device=tokens.device)
+        if not pad and (world == 1 or (local == 1 and recv_capacity is None)):
+            table, tokens_per_expert = None, kept.sum(0)  # already (local expert, source) ordered
+        else:
+            table, tokens_per_expert = _regroup_table(ops, kept, blocks, num_out, pad)
+    handle = EpHandle(ops, group, send_map, send_splits, recv_splits, pack_rows, table, num_out, plan.hidden, dropped)
     out, out_probs = _Dispatch.apply(handle, res, tokens, probs)
-    out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))
+    out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))[0]
     return DispatchResult(out, out_probs, out_scale, tokens_per_expert, handle)
 
 
-def _dropless_plan(ops, tokens, routing, probs, scale, group, world, local, num_experts, topk):
-    """Route counts exchanged and read back once; permute sized exactly; padded variants pack
-    their routed rows (pad rows stay home)."""
-    pad = ops.variant["pad"]
+def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check):
+    """Route counts (and the routing check) exchanged and read back once; permute sized exactly;
+    padded variants pack their routed rows (pad rows stay home)."""
+    num_experts, pad = plan.num_experts, ops.variant["pad"]
     device = tokens.device
     counts = _route_counts(ops, routing, num_experts)
-    recv_counts = torch.empty((world, local), dtype=torch.int64, device=device)
-    dist.all_to_all_single(recv_counts, counts.view(world, local), group=group)
-    host = torch.cat([counts, recv_counts.flatten()]).tolist()  # the one device-to-host read
-    send_splits = [sum(host[d * local:(d + 1) * local]) for d in range(world)]
-    recv_splits = [sum(host[num_experts + s * local:num_experts + (s + 1) * local]) for s in range(world)]
-    totals = [sum(host[num_experts + s * local + l] for s in range(world)) for l in range(local)]
-    num_out = sum(-(-t // pad) * pad if pad else t for t in totals)
-    permuted_rows = sum(-(-c // pad) * pad if pad else c for c in host[:num_experts])
+    bad = _bad_routes(ops, routing, num_experts, plan.width) if check else counts.new_zeros(1)
+    recv = torch.empty((world, local + 1), dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv, torch.cat([counts.view(world, local), bad.expand(world, 1)], 1), group=group)
+    host = torch.cat([counts, recv.flatten()]).tolist()  # the one device-to-host read
+    mine, got = host[:num_experts], [host[num_experts + s * (local + 1):][:local + 1] for s in range(world)]
+    if check and any(g[local] for g in got):
+        _raise_bad_routing(ops, routing, num_experts, plan.width, [g[local] for g in got], dist.get_rank(group))
+    send_splits = [sum(mine[d * local:(d + 1) * local]) for d in range(world)]
+    recv_splits = [sum(g[:local]) for g in got]
+    num_out = sum(_round_up(sum(g[e] for g in got), pad) for e in range(local))
+    permuted_rows = sum(_round_up(c, pad) for c in mine)
     res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=permuted_rows,
                       topk=topk, check_routing=False)
-    send_map, slot_rows = res.row_id_map, None
+    send_map, pack_rows = res.row_id_map, None
     if pad:
         sent = sum(send_splits)
-        slot_rows = _chunked_rows(counts, res.row_id_map.segment_offsets[:num_experts].long(),
+        pack_rows = _chunked_rows(counts, res.row_id_map.segment_offsets[:num_experts].long(),
                                   torch.ones_like(counts), sent)
         offsets = torch.cat([_exclusive_cumsum(counts, 0), counts.sum().reshape(1)])
-        send_map = _send_row_map(res.row_id_map, _inverse_rows(slot_rows, permuted_rows, -1), offsets, counts, sent)
-    base = (_exclusive_cumsum(torch.tensor(recv_splits, dtype=torch.int64, device=device), 0)[:, None]
-            + _exclusive_cumsum(recv_counts, 1))
+        send_map = _send_row_map(res.row_id_map, _inverse_rows(pack_rows, permuted_rows, -1), offsets, counts, sent)
     dropped = torch.zeros(world, dtype=torch.int64, device=device)
-    return res, send_map, slot_rows, send_splits, recv_splits, recv_counts, base, num_out, dropped
+    return res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out, dropped
 
 
-def _capacity_plan(ops, tokens, routing, probs, scale, group, world, local, num_experts, topk, route_slots,
-                   capacity):
-    """Static sizes: every rank pair exchanges `capacity` rows; nothing is read back."""
-    pad = ops.variant["pad"]
+def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, capacity, check):
+    """Static sizes: every rank pair exchanges `capacity` rows; nothing is read back (unless
+    check_routing asks for it)."""
+    num_experts, pad = plan.num_experts, ops.variant["pad"]
     device = tokens.device
-    bound = route_slots + (num_experts * (pad - 1) if pad else 0)  # rows permute can fill
-    # One row more than permute can fill: row `bound` is always zero, the source of empty slots.
-    res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=bound + 1,
-                      topk=topk, check_routing=False)
-    segment_counts = res.row_id_map.segment_counts.long().view(world, local)
-    segment_offsets = res.row_id_map.segment_offsets[:num_experts].long().view(world, local)
-    # Per destination, the first `capacity` rows in (local expert, token) order fit.
-    fit = (capacity - _exclusive_cumsum(segment_counts, 1)).clamp(min=0).minimum(segment_counts)
-    column = torch.full((world, 1), bound, dtype=torch.int64, device=device)
-    sizes = torch.cat([fit, capacity - fit.sum(1, keepdim=True)], 1).flatten()
-    starts = torch.cat([segment_offsets, column], 1).flatten()
-    steps = torch.cat([torch.ones_like(fit), torch.zeros_like(column)], 1).flatten()
-    slot_rows = _chunked_rows(sizes, starts, steps, world * capacity)
-    slot_of_row = _inverse_rows(slot_rows, bound + 1, -1)
-    slot_of_row[bound] = -1  # the zero row every empty slot reads
-    slot_starts = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(fit, 1)
-    offsets = torch.cat([slot_starts.flatten(), torch.full((1,), world * capacity, device=device)])
-    send_map = _send_row_map(res.row_id_map, slot_of_row, offsets, fit.flatten(), world * capacity)
-    # What each source sends here (kept, routed) per local expert: one small all-to-all.
-    counts_in = torch.empty((world, 2 * local), dtype=torch.int64, device=device)
-    dist.all_to_all_single(counts_in, torch.cat([fit, segment_counts], 1), group=group)
-    kept, routed = counts_in[:, :local], counts_in[:, local:]
-    base = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(kept, 1)
-    num_out = world * capacity + (local * (pad - 1) if pad else 0)
-    splits = [capacity] * world
-    return res, send_map, slot_rows, splits, splits, kept, base, num_out, (routed - kept).sum(1)
+    if world == 1 and not pad:
+        # One destination: the per-pair capacity is permute's own row cap (it keeps the first rows
+        # in expert order, drops the rest and zeroes the rows it does not fill).
+        res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=capacity,
+                          topk=topk, check_routing=False)
+        fit = res.row_id_map.segment_counts.long().view(1, local)
+        routed = _route_counts(ops, routing, num_experts).view(1, local)
+        send_map, pack_rows = res.row_id_map, None
+    else:
+        bound = plan.num_tokens * plan.width + (num_experts * (pad - 1) if pad else 0)  # rows permute can fill
+        # One row more than permute can fill: row `bound` is always zero, the source of empty slots.
+        res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=bound + 1,
+                          topk=topk, check_routing=False)
+        routed = res.row_id_map.segment_counts.long().view(world, local)
+        segment_offsets = res.row_id_map.segment_offsets[:num_experts].long().view(world, local)
+        # Per destination, the first `capacity` rows in (local expert, token) order fit.
+        fit = (capacity - _exclusive_cumsum(routed, 1)).clamp(min=0).minimum(routed)
+        column = torch.full((world, 1), bound, dtype=torch.int64, device=device)
+        sizes = torch.cat([fit, capacity - fit.sum(1, keepdim=True)], 1).flatten()
+        starts = torch.cat([segment_offsets, column], 1).flatten()
+        steps = torch.cat([torch.ones_like(fit), torch.zeros_like(column)], 1).flatten()
+        pack_rows = _chunked_rows(sizes, starts, steps, world * capacity)
+        slot_of_row = _inverse_rows(pack_rows, bound + 1, -1)
+        slot_of_row[bound] = -1  # the zero row every empty slot reads
+        slot_starts = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(fit, 1)
+        offsets = torch.cat([slot_starts.flatten(), torch.full((1,), world * capacity, device=device)])
+        send_map = _send_row_map(res.row_id_map, slot_of_row, offsets, fit.flatten(), world * capacity)
+    # What each source sends here (kept, routed) per local expert, and its routing check: one small all-to-all.
+    bad = _bad_routes(ops, routing, num_experts, plan.width) if check else routed.new_zeros(1)
+    counts_in = torch.empty((world, 2 * local + 1), dtype=torch.int64, device=device)
+    dist.all_to_all_single(counts_in, torch.cat([fit, routed, bad.expand(world, 1)], 1), group=group)
+    if check:
+        bad_per_source = counts_in[:, -1].tolist()  # check_routing's host read
+        if any(bad_per_source):
+            _raise_bad_routing(ops, routing, num_experts, plan.width, bad_per_source, dist.get_rank(group))
+    kept, routed_in = counts_in[:, :local], counts_in[:, local:2 * local]
+    return res, send_map, pack_rows, kept, (routed_in - kept).sum(1)
 
 
 def run_combine(ops, expert_out, handle, merging_probs=None):
@@ -373,7 +435,7 @@ def run_combine(ops, expert_out, handle, merging_probs=None):
                         f"got {type(handle).__name__}")
     if handle.ops is not ops:
         raise ValueError(f"{name}: handle comes from variant {handle.ops.name}'s dispatch")
-    device = handle.regroup_rows.device
+    device = handle.send_map.row_map.device
     check_tensor(ops.variant, "expert_out", expert_out, (handle.num_out, handle.hidden), (combine_dtype(ops.variant),),
                  device)
     if merging_probs is not None:
@@ -388,18 +450,22 @@ def run_combine(ops, expert_out, handle, merging_probs=None):
 def expert_parallel(ops):
     """(dispatch, combine) of one variant, for its generated module."""
 
-    def dispatch_(tokens, routing, probs=None, scale=None, *, group, num_experts, recv_capacity=None, topk=None):
+    def dispatch_(tokens, routing, probs=None, scale=None, *, group, num_experts=None, recv_capacity=None,
+                  topk=None, check_routing=None):
         """Send each routed row to the rank owning its expert; return this rank's experts' rows.
 
         tokens [N, H], routing, probs, scale: as the variant's permute takes them. group: the
         expert-parallel ProcessGroup (num_experts / its size experts per rank, in rank order).
+        num_experts: all ranks' experts (index routing needs it; mask routing's columns say it).
         recv_capacity: None (dropless: one host read of the split sizes) or the rows each rank
         sends each rank (static sizes, no host sync; overflow dropped and counted). topk: permute's
-        hint for mask routing (capacity mode sizes its buffer by it). Differentiable.
+        hint for mask routing (capacity mode sizes its buffer by it). check_routing: refuse bad
+        routing on every rank (default: dropless mode, which reads its counts back anyway; in
+        capacity mode it costs one host read); the same on every rank. Differentiable.
         Returns DispatchResult(tokens [M, H], probs [M] | None, scale [M, S] | None,
         tokens_per_expert int64 [L], handle)."""
         return run_dispatch(ops, tokens, routing, probs, scale, group=group, num_experts=num_experts,
-                        recv_capacity=recv_capacity, topk=topk)
+                            recv_capacity=recv_capacity, topk=topk, check_routing=check_routing)
 
     def combine_(expert_out, handle, merging_probs=None):
         """Return each expert output row to its source rank and merge it as unpermute does

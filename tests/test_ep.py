@@ -36,7 +36,7 @@ from cases import (PROB_GRAD_TOL, assert_bits_equal, assert_products_equal, asse
                    stable_seed, variants_for)
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
-WORLD_SIZES = (2, 4)
+WORLD_SIZES = (1, 2, 4)
 HIDDEN = 40
 # Where the ranks' tensors live: the CPU (gloo, Triton interpreter) unless every rank has a GPU
 # (NCCL, compiled kernels); set in each process by `worker`.
@@ -62,6 +62,11 @@ class EpCase:
 # rows long, so padded variants dominate the time: one local expert per rank except in one case,
 # and the capacity case on 4 ranks for unpadded variants only (every variant runs it on 2 ranks).
 CASES = {
+    # One rank (NCCL's one-rank group on one GPU): nothing to regroup, capacity is permute's row cap.
+    1: [
+        EpCase("uneven", experts_per_rank=2, k=2, tokens=(7,)),
+        EpCase("capacity", experts_per_rank=2, k=2, tokens=(9,), capacity=5),
+    ],
     2: [
         # Uneven splits, two local experts per rank (the expert-major regroup across sources;
         # one for padded variants).
@@ -89,7 +94,10 @@ def plain_variant():
 
 
 def cases_for(world, name):
-    padded = permgen.VARIANTS[name]["pad"] > 0 and not torch.cuda.is_available()
+    # (one rank needs k experts: its tokens route to k distinct ones)
+    padded = permgen.VARIANTS[name]["pad"] > 0 and not torch.cuda.is_available() and world > 1
+    if world == 1 and permgen.VARIANTS[name]["pad"] and not torch.cuda.is_available():
+        return []  # on the CPU: one rank pads as two do (the regroup's pad chunks), at interpreter cost
     return [replace(c, experts_per_rank=1) if padded else c for c in CASES[world] if not (c.unpadded_only and padded)]
 
 
@@ -341,7 +349,8 @@ def check_bad_input(mod, group, world):
     expect = [
         (TypeError, "ProcessGroup", dict(kw, group="world")),
         (TypeError, "ProcessGroup", dict(kw, group=None)),
-        (ValueError, "divisible", dict(kw, num_experts=2 * world + 1) if v["routing"] == "index" else None),
+        (ValueError, "divisible", dict(kw, num_experts=2 * world + 1) if v["routing"] == "index" and world > 1
+         else None),
         (ValueError, "recv_capacity", dict(kw, recv_capacity=0)),
         (TypeError, "recv_capacity", dict(kw, recv_capacity=2.0)),
         (ValueError, "num_experts", dict(kw, num_experts=0)),
@@ -353,6 +362,19 @@ def check_bad_input(mod, group, world):
             mod.dispatch(*args, **kwargs)
     with pytest.raises(ValueError, match="shape"):
         mod.dispatch(tokens[:3], routing, probs, scale, **kw)
+    if v["routing"] == "index":
+        with pytest.raises(ValueError, match="needs num_experts"):
+            mod.dispatch(*args, group=group)
+        # An id out of range on rank 0 only: every rank raises (dropless mode checks by default;
+        # capacity mode when asked), none waits on the others' rows.
+        bad = routing.clone()
+        if torch.distributed.get_rank(group) == 0:
+            bad[0, 0] = num_experts
+        for extra in (dict(), dict(recv_capacity=2, check_routing=True)):
+            with pytest.raises(ValueError, match="expert ids must be in|routing of rank"):
+                mod.dispatch(tokens, bad, probs, scale, **kw, **extra)
+        with pytest.raises(TypeError, match="check_routing"):
+            mod.dispatch(*args, **kw, check_routing=1)
     res = mod.dispatch(*args, **kw)
     cdt = combine_dtype(v)
     with pytest.raises(TypeError, match="handle"):
