@@ -45,9 +45,12 @@ bench: gpu-ready
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
 
-# Expert-parallel dispatch / combine on 2 GPUs over NCCL (tests/test_ep.py runs over NCCL there too).
+# Expert-parallel dispatch / combine over NCCL, one rank per GPU of the machine (world size 1 on one
+# GPU; tests/test_ep.py runs over NCCL there too).
 bench-ep: gpu-ready
-	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) -m torch.distributed.run \
+		--nproc-per-node $$($(PYTHON_SYS) -c "import torch; print(torch.cuda.device_count())") \
+		benchmarks/bench_ep.py --out benchmarks/results
 
 # The GPU targets use the system Python's torch and a CUDA GPU: say so before anything runs.
 gpu-ready:

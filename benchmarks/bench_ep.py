@@ -1,23 +1,28 @@
-"""Expert-parallel dispatch and combine (permgen.ep) on 2 GPUs over NCCL, against a bare
-all_to_all_single of the same bytes and the PyTorch-native composition.
+"""Expert-parallel dispatch and combine (permgen.ep) over NCCL on every GPU of the machine (one
+rank per GPU: world size 1 on one GPU), against a bare all_to_all_single of the same bytes, the
+single-GPU permute / unpermute of the same rows and the PyTorch-native composition.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out benchmarks/results     (make bench-ep)
-    python3 benchmarks/bench_ep.py --out benchmarks/results                         (spawns 2 ranks)
+    make bench-ep     (torchrun --nproc-per-node <GPUs> benchmarks/bench_ep.py --out benchmarks/results)
+    python3 benchmarks/bench_ep.py --out benchmarks/results      (spawns one rank per GPU)
 
-Per shape (N tokens per rank, uniform top-k routing over E experts, E / 2 per rank), each rank
+Per shape (N tokens per rank, uniform top-k routing over E experts, E / world per rank), each rank
 times, with CUDA events, the mean of `--iters` calls between barriers; a cell is the slowest
 rank's time (median over `--reps` repetitions):
 
 - a2a:            all_to_all_single of the routed rows with the dispatch's split sizes (bytes only)
 - dispatch:       permgen dispatch, dropless (routing counts, count exchange, its one host read,
-                  permute, all-to-all of rows and probs, regroup); also in fixed-capacity mode
+                  permute, all-to-all of rows and probs, regroup where there is one); also in
+                  fixed-capacity mode, and both backward passes (through autograd)
 - combine:        permgen combine (regroup back, all-to-all, unpermute with merging probs)
 - torch dispatch: argsort permute + bincount + count all-to-all + .tolist() + all_to_all_single +
                   torch.split / torch.cat regroup by (source, local expert)
 - torch combine:  the reverse split / cat, all_to_all_single, weighted index_add
-- permute / unpermute: permgen's single-GPU permute / unpermute of the same N tokens over all E
-                  experts (the rows one rank moves), for the target "time beyond the all-to-all <=
-                  the single-GPU permute (unpermute) time"
+- permute / unpermute (and their backward passes): permgen's single-GPU ops on the same N tokens
+                  over all E experts (the rows one rank moves), for the targets "time beyond the
+                  all-to-all <= the single-GPU pass"
+- regroup:        the chunk sort dispatch runs on a receiver of 8 ranks ((source, expert) ->
+                  (expert, source)), on the same rows: at world size 1 dispatch has none to run
+- copy:           a device-to-device copy of the same rows (the copy floor of the regroup)
 
 Writes bench_ep.json, bench_ep.txt and bench_ep.png (with matplotlib) into --out. `--cpu-smoke`
 runs the same script on tiny shapes over gloo under the Triton interpreter (no GPU): it checks the
@@ -42,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 import permgen  # noqa: E402
 
-SHAPES = [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8)]  # name, N, H, E, k
+SHAPES = [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
+          ("mixtral", 16384, 4096, 8, 2)]  # name, N, H, E, k
 SMOKE_SHAPES = [("smoke", 48, 40, 8, 2)]  # --cpu-smoke: the script's own logic, checked without GPUs
 VARIANT = dict(dtype="bf16", routing="index", probs=True)
 CAPACITY_SLACK = 1.25  # recv_capacity = this x the mean rows per rank pair
@@ -117,6 +123,19 @@ def torch_combine(expert_out, state, merging_probs, group, world):
     return out.index_add_(0, order // k, returned * weights[:, None])
 
 
+def regroup_table(mod, counts, sources):
+    """The chunk table of a regroup from (source, expert) to (expert, source) order over `sources`
+    sources, each expert's rows split evenly between them: what dispatch's regroup does on a
+    receiver of that many ranks (at world size 1 it has nothing to do)."""
+    E = counts.shape[0]
+    part = counts[None, :] // sources
+    sizes = part.repeat(sources, 1)
+    sizes[-1] += counts - part.sum(0)  # [source, expert]
+    order = (torch.arange(sources, device=counts.device)[None, :] * E
+             + torch.arange(E, device=counts.device)[:, None]).flatten()
+    return mod._ops.backend.chunk_table(sizes.flatten(), order)
+
+
 def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     g = torch.Generator(device=DEVICE).manual_seed(1234 + rank)
     tokens = torch.randn(N, H, device=DEVICE, generator=g).to(torch.bfloat16)
@@ -136,6 +155,8 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     send_buf = torch.empty((sum(send), H), dtype=tokens.dtype, device=DEVICE)
     recv_buf = torch.empty((sum(recv), H), dtype=tokens.dtype, device=DEVICE)
     expert_out = torch.randn(res.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
+    grad_experts = torch.randn(res.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
+    grad_tokens_out = torch.randn(N, H, device=DEVICE, generator=g).to(torch.bfloat16)
     capacity = int(CAPACITY_SLACK * N * k / world)
     cap_res = mod.dispatch(tokens, ids, probs, group=group, num_experts=E, recv_capacity=capacity)
     cap_out = torch.randn(cap_res.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
@@ -146,6 +167,19 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     assert torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2 * float(ours.abs().max())), "PyTorch combine disagrees"
     single = mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=N * k)
     single_out = torch.randn(single.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
+    grad_single = torch.randn(single.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
+    sort_table = regroup_table(mod, res.tokens_per_expert, 8)
+    copy_src = res.tokens.clone()
+    copy_dst = torch.empty_like(copy_src)
+
+    # The backward passes through autograd, their graphs kept (retain_graph) and rerun.
+    t_in, p_in = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+    d = mod.dispatch(t_in, ids, p_in, group=group, num_experts=E)
+    e_in, m_in = expert_out.clone().requires_grad_(), probs.clone().requires_grad_()
+    c = mod.combine(e_in, h, m_in)
+    sp = mod.permute(t_in, ids, p_in, num_experts=E, num_out_tokens=N * k)
+    u_in = single_out.clone().requires_grad_()
+    su = mod.unpermute(u_in, single.row_id_map, m_in)
 
     def bare_a2a():
         dist.all_to_all_single(recv_buf, send_buf, recv, send, group=group)
@@ -157,10 +191,18 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
                                                   recv_capacity=capacity),
         "combine": lambda: mod.combine(expert_out, h, probs),
         "combine_capacity": lambda: mod.combine(cap_out, cap_res.handle, probs),
+        "dispatch_backward": lambda: torch.autograd.grad([d.tokens, d.probs], [t_in, p_in],
+                                                         [grad_experts, nat_probs], retain_graph=True),
+        "combine_backward": lambda: torch.autograd.grad(c, [e_in, m_in], grad_tokens_out, retain_graph=True),
         "torch_dispatch": lambda: torch_dispatch(tokens, ids, probs, E, group, world),
         "torch_combine": lambda: torch_combine(expert_out, nat_state, probs, group, world),
         "permute": lambda: mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=N * k),
         "unpermute": lambda: mod.unpermute(single_out, single.row_id_map, probs),
+        "permute_backward": lambda: torch.autograd.grad([sp.tokens, sp.probs], [t_in, p_in],
+                                                        [grad_single, single.probs], retain_graph=True),
+        "unpermute_backward": lambda: torch.autograd.grad(su, [u_in, m_in], grad_tokens_out, retain_graph=True),
+        "regroup_8_sources": lambda: mod._ops.backend.sort_chunks(sort_table, False, res.tokens, res.probs),
+        "copy": lambda: copy_dst.copy_(copy_src),
     }
     times = {op: timed(fn, group, iters, reps) for op, fn in ops.items()}
     dropped = int(cap_res.handle.dropped.sum())
@@ -173,66 +215,81 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
 
 def summarise(r):
     t = r["time_us"]
-    beyond_dispatch = t["dispatch"] - t["a2a"]
-    beyond_combine = t["combine"] - t["a2a"]
-    return dict(dispatch_beyond_a2a_us=round(beyond_dispatch, 1), combine_beyond_a2a_us=round(beyond_combine, 1),
-                dispatch_beyond_over_permute=round(beyond_dispatch / t["permute"], 2),
-                combine_beyond_over_unpermute=round(beyond_combine / t["unpermute"], 2),
-                speedup_dispatch_vs_torch=round(t["torch_dispatch"] / t["dispatch"], 2),
-                speedup_combine_vs_torch=round(t["torch_combine"] / t["combine"], 2),
-                a2a_GBps_per_rank=round(r["a2a_bytes_per_rank"] / t["a2a"] / 1e3, 1))
+    beyond = {op: t[op] - t["a2a"] for op in ("dispatch", "combine", "dispatch_capacity", "combine_capacity",
+                                                "dispatch_backward", "combine_backward")}
+    single = dict(dispatch="permute", combine="unpermute", dispatch_capacity="permute",
+                  combine_capacity="unpermute", dispatch_backward="permute_backward",
+                  combine_backward="unpermute_backward")
+    out = {f"{op}_beyond_a2a_us": round(b, 1) for op, b in beyond.items()}
+    out.update({f"{op}_beyond_over_{single[op]}": round(b / t[single[op]], 2) for op, b in beyond.items()})
+    out.update(speedup_dispatch_vs_torch=round(t["torch_dispatch"] / t["dispatch"], 2),
+               speedup_combine_vs_torch=round(t["torch_combine"] / t["combine"], 2),
+               a2a_GBps_per_rank=round(r["a2a_bytes_per_rank"] / t["a2a"] / 1e3, 1),
+               regroup_over_copy=round(t["regroup_8_sources"] / t["copy"], 2))
+    return out
 
 
-def estimate_ep64(r, gbps_inter=50.0, gbps_intra=400.0, local_overhead_us=None):
+def estimate_ep64(r, gbps_inter=45.0, gbps_intra=350.0):
     """Paper estimate of the same layer at EP = 64 over 8 nodes of 8 GPUs: each rank sends its N * k
     routed rows spread uniformly over 64 ranks, 7/64 inside its node (NVLink, gbps_intra GB/s per
-    GPU) and 56/64 to other nodes (gbps_inter GB/s per GPU: one 400 Gb/s NIC each); the local work
-    (permute, pack, regroup) is what this run measured beyond the all-to-all on 2 GPUs, scaled by
-    the rows a rank handles (the same N * k)."""
+    GPU) and 56/64 to other nodes (gbps_inter GB/s per GPU: one 400 Gb/s NIC each). The local
+    work is what this run measured beyond the all-to-all, plus, where this run had nothing to
+    regroup (one rank) and EP = 64 has (E / 64 > 1 local experts), the measured regroup pass."""
     total = r["a2a_bytes_per_rank"]
     inter, intra = total * 56 / 64, total * 7 / 64
     a2a_us = max(inter / (gbps_inter * 1e3), intra / (gbps_intra * 1e3))
-    s = summarise(r)
+    s, t = summarise(r), r["time_us"]
+    regroup = t["regroup_8_sources"] if r["world"] == 1 and r["E"] // 64 > 1 else 0.0
+    local_dispatch = s["dispatch_beyond_a2a_us"] + regroup
+    local_combine = s["combine_beyond_a2a_us"] + regroup
     return dict(bytes_per_rank=total, inter_node_bytes=int(inter), a2a_us=round(a2a_us, 1),
-                dispatch_us=round(a2a_us + s["dispatch_beyond_a2a_us"], 1),
-                combine_us=round(a2a_us + s["combine_beyond_a2a_us"], 1),
-                local_share_dispatch=round(s["dispatch_beyond_a2a_us"] / (a2a_us + s["dispatch_beyond_a2a_us"]), 3))
+                local_dispatch_us=round(local_dispatch, 1), local_combine_us=round(local_combine, 1),
+                dispatch_us=round(a2a_us + local_dispatch, 1), combine_us=round(a2a_us + local_combine, 1),
+                local_share_dispatch=round(local_dispatch / (a2a_us + local_dispatch), 3))
+
+
+COLUMNS = [("a2a", "a2a"), ("dispatch", "dispatch"), ("dispatch_capacity", "disp cap"), ("combine", "combine"),
+           ("combine_capacity", "comb cap"), ("dispatch_backward", "disp bwd"), ("combine_backward", "comb bwd"),
+           ("torch_dispatch", "torch disp"), ("torch_combine", "torch comb"), ("permute", "permute"),
+           ("unpermute", "unpermute"), ("permute_backward", "perm bwd"), ("unpermute_backward", "unperm bwd"),
+           ("regroup_8_sources", "regroup"), ("copy", "copy")]
 
 
 def report(results, gpu, world):
     lines = [f"permgen expert parallelism, {world} x {gpu}, {dist.get_backend()}, variant {results[0]['variant']}",
              ""]
-    head = ("shape", "a2a", "dispatch", "disp cap", "combine", "comb cap", "torch disp", "torch comb", "permute",
-            "unpermute")
     lines.append("times in us (slowest rank, median):")
-    lines.append(" | ".join(f"{h:>10}" for h in head))
+    lines.append(" | ".join(f"{h:>10}" for h in ["shape"] + [c[1] for c in COLUMNS]))
     for r in results:
         t = r["time_us"]
-        lines.append(" | ".join([f"{r['shape']:>10}"] + [f"{t[k]:>10.1f}" for k in (
-            "a2a", "dispatch", "dispatch_capacity", "combine", "combine_capacity", "torch_dispatch", "torch_combine",
-            "permute", "unpermute")]))
+        lines.append(" | ".join([f"{r['shape']:>10}"] + [f"{t[k]:>10.1f}" for k, _ in COLUMNS]))
     lines.append("")
     for r in results:
         s, e = summarise(r), estimate_ep64(r)
         lines.append(f"{r['shape']}: rows sent {r['rows']['sent']} ({r['a2a_bytes_per_rank'] / 1e9:.2f} GB, "
-                     f"{r['remote_bytes_per_rank'] / 1e9:.2f} GB to the other rank), a2a {s['a2a_GBps_per_rank']} GB/s; "
+                     f"{r['remote_bytes_per_rank'] / 1e9:.2f} GB to other ranks), a2a {s['a2a_GBps_per_rank']} GB/s; "
                      f"capacity {r['capacity']} rows per pair dropped {r['capacity_dropped_rows']} rows")
-        lines.append(f"  beyond the a2a: dispatch {s['dispatch_beyond_a2a_us']} us = "
-                     f"{s['dispatch_beyond_over_permute']} x permute; combine {s['combine_beyond_a2a_us']} us = "
-                     f"{s['combine_beyond_over_unpermute']} x unpermute (targets <= 1)")
+        lines.append("  beyond the a2a, as a multiple of the single-GPU pass (targets <= 1): "
+                     + ", ".join(f"{op} {s[f'{op}_beyond_a2a_us']} us = {s[f'{op}_beyond_over_{ref}']}x {ref}"
+                                 for op, ref in (("dispatch", "permute"), ("combine", "unpermute"),
+                                                 ("dispatch_capacity", "permute"), ("combine_capacity", "unpermute"),
+                                                 ("dispatch_backward", "permute_backward"),
+                                                 ("combine_backward", "unpermute_backward"))))
         lines.append(f"  vs PyTorch composition: dispatch {s['speedup_dispatch_vs_torch']}x, combine "
-                     f"{s['speedup_combine_vs_torch']}x (target >= 1.5x)")
-        lines.append(f"  EP=64 over 8 nodes (paper): a2a {e['a2a_us']} us, dispatch {e['dispatch_us']} us, combine "
-                     f"{e['combine_us']} us; local work {100 * e['local_share_dispatch']:.1f}% of dispatch")
+                     f"{s['speedup_combine_vs_torch']}x; regroup of 8 sources' rows {s['regroup_over_copy']}x the copy")
+        lines.append(f"  EP=64 over 8 nodes (paper): a2a {e['a2a_us']} us, local dispatch {e['local_dispatch_us']} us, "
+                     f"combine {e['local_combine_us']} us; dispatch {e['dispatch_us']} us, combine {e['combine_us']} us;"
+                     f" local work {100 * e['local_share_dispatch']:.1f}% of dispatch")
     return "\n".join(lines) + "\n"
 
 
-def plot(results, path, gpu):
+def plot(results, path, gpu, world):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = ["a2a", "dispatch", "dispatch_capacity", "torch_dispatch", "combine", "combine_capacity", "torch_combine"]
+    ops = ["a2a", "dispatch", "dispatch_capacity", "torch_dispatch", "permute", "combine", "combine_capacity",
+           "torch_combine", "unpermute"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(results)
     for i, r in enumerate(results):
@@ -240,7 +297,7 @@ def plot(results, path, gpu):
         ax.bar(xs, [r["time_us"][op] / 1e3 for op in ops], width, label=r["shape"], color=f"C{i}")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(ops))], ops, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("ms (slowest rank, median)")
-    ax.set_title(f"permgen dispatch / combine on 2 x {gpu} (NCCL), N=16384 tokens per rank")
+    ax.set_title(f"permgen dispatch / combine on {world} x {gpu} (NCCL), N=16384 tokens per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -264,7 +321,8 @@ def main(rank=None, world=None, args=None):
         import torch.multiprocessing as mp
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
-        mp.start_processes(main, args=(2, args), nprocs=2, start_method="spawn")
+        world = 2 if args.cpu_smoke else torch.cuda.device_count()
+        mp.start_processes(main, args=(world, args), nprocs=world, start_method="spawn")
         return
     if rank is None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -281,7 +339,7 @@ def main(rank=None, world=None, args=None):
         if DEVICE != "cpu" and name not in args.shapes.split(","):
             continue
         r = run_shape(name, N, H, E, k, mod, group, rank, world, args.iters, args.reps)
-        r["variant"] = mod.VARIANT["name"]
+        r["variant"], r["world"] = mod.VARIANT["name"], world
         r["summary"], r["ep64_estimate"] = summarise(r), estimate_ep64(r)
         results.append(r)
         if rank == 0:
@@ -296,7 +354,7 @@ def main(rank=None, world=None, args=None):
         (args.out / "bench_ep.txt").write_text(text)
         print(text, flush=True)
         try:
-            plot(results, args.out / "bench_ep.png", gpu)
+            plot(results, args.out / "bench_ep.png", gpu, world)
         except ImportError:
             print("matplotlib not installed: no plot")
     dist.destroy_process_group()
