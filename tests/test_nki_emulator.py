@@ -16,6 +16,13 @@ from permgen.nki_emulator import language as nl
 from permgen.nki_emulator.testing import nki_modules_restored
 
 
+@pytest.fixture(autouse=True)
+def one_core(monkeypatch):
+    """These tests launch their kernels without brackets (LNC=1), so they declare LNC=1 (Trn2's
+    default is 2); the LNC tests below set what they need."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+
+
 def run(body, *arrays):
     """Run `body(*hbm_tensors)` as a kernel; it returns the output tensors."""
     return jit(body)(*arrays)
@@ -322,9 +329,10 @@ def test_bitvec_operators_need_integers():
         run(body, np.zeros((2, 2), np.float32))
 
 
-def test_arithmetic_scalar_operands_are_floats():
-    """Arithmetic operators take float scalars (tensor_scalar / scalar_tensor_tensor: `operand0: float |
-    NkiTensor`); integer scalars go with bitvec operators."""
+def test_arithmetic_scalar_operands_are_float32():
+    """Arithmetic operators' scalar operands "must be float32" (nki.isa.tensor_scalar): a Python int
+    is taken as that float32, as nki-library's kernels pass them (operand0=1 with nl.add); a
+    non-number is refused."""
     def body(a, operand):
         t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=a)
@@ -333,9 +341,11 @@ def test_arithmetic_scalar_operands_are_floats():
         nisa.dma_copy(dst=out, src=t)
         return out
     a = np.zeros((2, 2), np.float32)
-    with pytest.raises(EmulatorError, match="integer scalar for the arithmetic operator"):
-        run(lambda a: body(a, 1), a)
+    np.testing.assert_array_equal(run(lambda a: body(a, 1), a), a + 1)
     np.testing.assert_array_equal(run(lambda a: body(a, 1.0), a), a + 1)
+    np.testing.assert_array_equal(run(lambda a: body(a, (1 << 24) + 1), a), a + np.float32((1 << 24) + 1))
+    with pytest.raises(EmulatorError, match="must be a tile or a Python number"):
+        run(lambda a: body(a, "1"), a)
 
 
 def test_engine_semantics():
@@ -400,7 +410,8 @@ from permgen.nki_emulator import run_ranks  # noqa: E402
 
 
 def _hbm(array):
-    return nki_emulator.Tensor(np.array(array), nl.shared_hbm, "t")
+    array = np.array(array)
+    return nki_emulator.Tensor(array.shape, array.dtype, array, nl.shared_hbm, "t")
 
 
 def test_all_to_all_splits_and_concatenates_dim0():
@@ -409,7 +420,7 @@ def test_all_to_all_splits_and_concatenates_dim0():
     def rank(me):
         src, dst = _hbm(np.arange(6, dtype=np.int32).reshape(6, 1) + 10 * me), _hbm(np.zeros((6, 1), np.int32))
         ncc.all_to_all(srcs=[src], dsts=[dst], replica_group=group, collective_dim=0)
-        return dst.array[:, 0].tolist()
+        return dst._array[:, 0].tolist()
 
     got = run_ranks(rank, [(r,) for r in range(3)])
     assert got[1] == [2, 3, 12, 13, 22, 23]  # chunk 1 of every source, in source order
@@ -431,11 +442,11 @@ def _a2av_rank(me, send, recv_size, meta_rows, **flags):
     src = _hbm(np.arange(max(1, counts.sum()), dtype=np.float32) + 100 * (me + 1))
     dst = _hbm(np.full(recv_size, -1.0, np.float32))
     meta = _hbm(np.zeros((len(meta_rows) + 2, len(counts)), np.uint32))
-    meta.array[0], meta.array[1] = counts, np.cumsum(counts) - counts
+    meta._array[0], meta._array[1] = counts, np.cumsum(counts) - counts
     for i, row in enumerate(meta_rows):
-        meta.array[2 + i] = row[me]
+        meta._array[2 + i] = row[me]
     ncc.all_to_all_v(srcs=[src], dsts=[dst], replica_group=ncc.ReplicaGroup([[0, 1]]), metadata_tensor=meta, **flags)
-    return dst.array.tolist(), meta.array.tolist()
+    return dst._array.tolist(), meta._array.tolist()
 
 
 def test_all_to_all_v_explicit_and_implicit_receive_layouts():
@@ -484,9 +495,9 @@ def _a2av_ranks(world, groups, platform, has_rdispls):
         src = _hbm(np.full(size, float(me), np.float32))
         dst = _hbm(np.full(size, -1.0, np.float32))
         meta = _hbm(np.zeros((4, size), np.uint32))
-        meta.array[0], meta.array[1], meta.array[3] = 1, np.arange(size), np.arange(size)
+        meta._array[0], meta._array[1], meta._array[3] = 1, np.arange(size), np.arange(size)
         ncc.all_to_all_v(srcs=[src], dsts=[dst], replica_group=group, metadata_tensor=meta, has_rdispls=has_rdispls)
-        return dst.array.tolist()
+        return dst._array.tolist()
     return run_ranks(rank, [(r,) for r in range(world)], platform=platform)
 
 
@@ -503,7 +514,7 @@ def test_all_to_all_v_follows_each_generations_restrictions():
     with pytest.raises(EmulatorError, match="inter-node rank-list"):
         _a2av_ranks(4, [[0, 3], [1, 2]], two_nodes, has_rdispls=True)
 
-    trn3 = nki_emulator.Platform("trn3")
+    trn3 = nki_emulator.Platform("trn3", lnc=2)
     assert _a2av_ranks(8, [list(range(8))], trn3, has_rdispls=True)[5] == [float(r) for r in range(8)]
     with pytest.raises(EmulatorError, match="more than one participating device"):
         _a2av_ranks(4, [[0, 1, 2, 3]], trn3, has_rdispls=False)
@@ -515,7 +526,7 @@ def test_all_to_all_v_follows_each_generations_restrictions():
 
 def test_driver_rules():
     with pytest.raises(EmulatorError, match="multi-rank driver"):
-        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1)))], dsts=[_hbm(np.zeros((2, 1)))],
+        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1), np.float32))], dsts=[_hbm(np.zeros((2, 1), np.float32))],
                        replica_group=ncc.ReplicaGroup([[0, 1]]))
 
     def mismatched(me):
@@ -531,7 +542,7 @@ def test_driver_rules():
     def one_fails(me):
         if me == 1:
             raise ValueError("rank one broke")
-        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1)))], dsts=[_hbm(np.zeros((2, 1)))], replica_group=ncc.ReplicaGroup([[0, 1]]))
+        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1), np.float32))], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]))
     with pytest.raises(ValueError, match="rank one broke") as info:
         run_ranks(one_fails, [(0,), (1,)])
     assert "raised on rank 1 of 2" in info.value.__notes__[0]
@@ -685,3 +696,149 @@ def test_costs_count_instructions_indirect_dmas_and_bytes():
     first, second = runs
     assert (first.kernel, first.instructions, first.indirect_dmas, first.dma_bytes) == ("body", 5, 1, 16 + 48 + 64)
     assert (second.instructions, second.indirect_dmas, second.dma_bytes) == (2, 0, 32)
+
+
+# --- logical NeuronCores (LNC) ---------------------------------------------------------------
+def halves(a, barrier=True, read_back=True):
+    """Each core copies its half of `a` (nl.program_id) into one shared output, then (after the
+    barrier) reads the whole output back: the other core's half included."""
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    cores, me = nl.num_programs(), nl.program_id(0)
+    rows = a.shape[0] // cores
+    tile = nl.ndarray((rows, a.shape[1]), dtype=a.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=a[me * rows:(me + 1) * rows, :])
+    nisa.dma_copy(dst=out[me * rows:(me + 1) * rows, :], src=tile)
+    if barrier:
+        nisa.core_barrier(data=out, cores=(0, 1))
+    if read_back:
+        whole = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=whole, src=out)
+    return out
+
+
+def test_kernels_launch_with_the_lnc_the_environment_declares(monkeypatch):
+    """nki.jit: "The LNC value must match the NEURON_LOGICAL_NC_CONFIG environment variable ...
+    Mismatching the two will cause a runtime error"; `kernel[lnc](...)`, default LNC=1; LNC is 1 or 2."""
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    kernel = jit(lambda a: halves(a, barrier=False, read_back=False))
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")  # unset: LNC=2, Trn2's default
+    with pytest.raises(EmulatorError, match="launched with LNC=1, but the environment declares LNC=2"):
+        kernel(a)
+    np.testing.assert_array_equal(kernel[2](a), a)
+    np.testing.assert_array_equal(simulate(kernel[2])(a), a)
+    with pytest.raises(EmulatorError, match="only be set to 1 or 2"):
+        kernel[8]
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    np.testing.assert_array_equal(kernel(a), a)
+    with pytest.raises(EmulatorError, match="launched with LNC=2, but the environment declares LNC=1"):
+        kernel[2](a)
+    with nki_emulator.on(nki_emulator.Platform(lnc=2)):  # a Platform's lnc declares it for its block
+        import os
+        assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == "2"
+        np.testing.assert_array_equal(kernel[2](a), a)
+    assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == "1"
+
+
+def test_program_id_and_num_programs(monkeypatch):
+    """lnc.rst: num_programs is 1 without LNC and 2 at LNC=2; program_id is 0 without LNC, 0 or 1 at LNC=2;
+    program_ndim is "0 if no grid"."""
+    def ids(a):
+        out = nl.ndarray((1, 4), dtype=nl.int32, buffer=nl.shared_hbm)
+        me = nl.program_id(0)
+        tile = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(tile[0:1, 0:1], value=nl.num_programs())
+        nisa.memset(tile[0:1, 1:2], value=nl.program_ndim())
+        nisa.dma_copy(dst=out[0:1, 2 * me:2 * me + 2], src=tile)
+        if nl.num_programs() == 1:
+            nisa.dma_copy(dst=out[0:1, 2:4], src=tile)
+        return out
+    a = np.zeros((1, 1), np.float32)
+    assert jit(ids)(a).tolist() == [[1, 0, 1, 0]]
+    assert jit(ids)[1](a).tolist() == [[1, 1, 1, 1]]
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    assert jit(ids)[2](a).tolist() == [[2, 1, 2, 1]]
+    with pytest.raises(EmulatorError, match="one axis"):
+        jit(lambda a: [nl.program_id(1)])[2](a)
+
+
+def test_cores_share_hbm_and_core_barrier_publishes_writes(monkeypatch):
+    """Two cores share the kernel's HBM tensors (lnc.rst); reading what the other core wrote needs
+    nisa.core_barrier(data, cores=(0, 1)) on it first (nki.isa.core_barrier)."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    np.testing.assert_array_equal(jit(halves)[2](a), a)
+    with pytest.raises(EmulatorError, match="race between cores"):
+        jit(lambda a: halves(a, barrier=False))[2](a)
+    np.testing.assert_array_equal(jit(lambda a: halves(a, barrier=False, read_back=False))[2](a), a)
+
+    def barrier(data_in, cores=(0, 1)):
+        def body(a):
+            out = copy_through_sbuf(a)
+            nisa.core_barrier(data=out if data_in == "hbm" else nl.ndarray((1, 1), nl.float32, nl.sbuf), cores=cores)
+            return out
+        return body
+    with pytest.raises(EmulatorError, match="only cores=\\(0, 1\\) is supported"):
+        jit(barrier("hbm", cores=(0,)))[2](a)
+    with pytest.raises(EmulatorError, match="shared_hbm"):
+        jit(barrier("sbuf"))[2](a)
+    np.testing.assert_array_equal(jit(barrier("hbm", cores=[0, 1]))[2](a), a)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    with pytest.raises(EmulatorError, match="only allowed .* when LNC"):
+        jit(barrier("hbm"))(a)
+
+
+def test_cores_run_the_same_program(monkeypatch):
+    """lnc.rst: the program on each core is "the same": the same barriers, collectives and shared_hbm
+    allocations; identical writes of the same bytes by both cores are no race, different ones are."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+
+    def barrier_on_core_0(a):
+        out = copy_through_sbuf(a)
+        if nl.program_id(0) == 0:
+            nisa.core_barrier(data=out, cores=(0, 1))
+        return out
+    with pytest.raises(EmulatorError, match="the cores diverged"):
+        jit(barrier_on_core_0)[2](a)
+
+    def shapes_differ(a):
+        return nl.ndarray((2 + nl.program_id(0), 2), dtype=a.dtype, buffer=nl.shared_hbm)
+    with pytest.raises(EmulatorError, match="the cores diverged"):
+        jit(shapes_differ)[2](a)
+
+    np.testing.assert_array_equal(jit(copy_through_sbuf)[2](a), a)  # both cores write the same bytes
+
+    def each_writes_its_id(a):
+        out = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.shared_hbm)
+        tile = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(tile, value=nl.program_id(0))
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    with pytest.raises(EmulatorError, match="race between cores.*changes shared HBM bytes"):
+        jit(each_writes_its_id)[2](a)
+
+
+def test_collectives_at_lnc2_run_once_per_rank(monkeypatch):
+    """At LNC=2 a rank is a logical core: both cores issue the collective and it runs once. No page
+    says on which core's queue it runs or whether its results are visible to both cores, so its
+    inputs are published with a core_barrier before it and its outputs after it."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    group = ncc.ReplicaGroup([[0, 1]])
+
+    def exchange(a, publish_inputs=True, publish_outputs=True):
+        src = copy_through_sbuf(a)
+        if publish_inputs:
+            nisa.core_barrier(data=src, cores=(0, 1))
+        dst = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        ncc.all_to_all(srcs=[src], dsts=[dst], replica_group=group, collective_dim=0)
+        if publish_outputs:
+            nisa.core_barrier(data=dst, cores=(0, 1))
+        return copy_through_sbuf(dst)
+
+    inputs = [(np.arange(4, dtype=np.float32).reshape(4, 1) + 10 * r,) for r in range(2)]
+    got = run_ranks(lambda a: jit(exchange)[2](a), inputs)
+    np.testing.assert_array_equal(got[1][:, 0], [2, 3, 12, 13])
+    with pytest.raises(EmulatorError, match="not documented on which core's queue"):
+        run_ranks(lambda a: jit(lambda a: exchange(a, publish_inputs=False))[2](a), inputs)
+    with pytest.raises(EmulatorError, match="not documented whether a collective's results are visible"):
+        run_ranks(lambda a: jit(lambda a: exchange(a, publish_outputs=False))[2](a), inputs)

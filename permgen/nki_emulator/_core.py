@@ -9,6 +9,7 @@ in the results instead of passing silently as zero.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -40,21 +41,27 @@ class Platform:
     """A Trainium generation and the rank layout of the collectives' world.
 
     generation: "trn2" (NeuronCore-v3, no NeuronSwitch fabric) or "trn3" (NeuronCore-v4, NeuronSwitch).
-    lnc: logical NeuronCore degree; a rank is one logical core.
+    lnc: the logical NeuronCore degree the runtime is configured with, i.e. what
+    NEURON_LOGICAL_NC_CONFIG declares; None (default) reads that variable, unset meaning 2 (the
+    Logical NeuronCore configuration page: "LNC=2 (default)" on Trn2; the emulator assumes the same of
+    Trn3, "similar to Trainium2"). `nki_emulator.on(Platform(lnc=1))` sets the variable for its block,
+    so host code that reads it agrees. A kernel launched with another LNC fails (nki.jit).
     ranks_per_device: logical cores per device (4 at LNC=2 on both generations: the all_to_all_v page
     says "4 under LNC=2" for Trn3; a Trn2 device has 8 physical cores).
     ranks_per_node: ranks of one EC2 instance (trn2.48xlarge: 16 devices x 4 at LNC=2). Tests shrink it
     to model several instances with few threads.
     """
     generation: str = "trn2"
-    lnc: int = 2
+    lnc: int | None = None
     ranks_per_device: int = 4
     ranks_per_node: int = 64
 
     def __post_init__(self):
         if self.generation not in ("trn2", "trn3"):
             raise EmulatorError(f"Platform generation must be 'trn2' or 'trn3', got {self.generation!r}")
-        if self.lnc not in (1, 2) or self.ranks_per_device < 1 or self.ranks_per_node < 1:
+        if self.lnc is not None:
+            _check_lnc(self.lnc, "Platform lnc")
+        if self.ranks_per_device < 1 or self.ranks_per_node < 1:
             raise EmulatorError(f"bad platform layout {self}")
 
     @property
@@ -62,8 +69,33 @@ class Platform:
         """NeuronCore version: v3 on Trainium2, v4 on Trainium3."""
         return 3 if self.generation == "trn2" else 4
 
+    @property
+    def logical_cores(self) -> int:
+        """The LNC the environment declares: `lnc`, else NEURON_LOGICAL_NC_CONFIG, else 2."""
+        if self.lnc is not None:
+            return self.lnc
+        declared = os.environ.get(LNC_VARIABLE)
+        if not declared:
+            return 2
+        try:
+            value = int(declared)
+        except ValueError:
+            raise EmulatorError(f"{LNC_VARIABLE}={declared!r}: LNC can only be set to 1 or 2") from None
+        return _check_lnc(value, LNC_VARIABLE)
+
+
+LNC_VARIABLE = "NEURON_LOGICAL_NC_CONFIG"
+
+
+def _check_lnc(value, what: str) -> int:
+    # Logical NeuronCore configuration page: "LNC can only be set to 1 or 2".
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (1, 2):
+        raise EmulatorError(f"{what} is {value!r}: LNC can only be set to 1 or 2")
+    return value
+
 
 _platform = [Platform()]  # one machine per process (rank threads share it)
+_saved_lnc_variable: list = []  # NEURON_LOGICAL_NC_CONFIG as it was before each pushed platform
 
 
 def platform() -> Platform:
@@ -71,14 +103,23 @@ def platform() -> Platform:
 
 
 def push_platform(p: Platform) -> None:
+    """Make p the machine; a p with an explicit lnc declares it in NEURON_LOGICAL_NC_CONFIG too."""
     if not isinstance(p, Platform):
         raise EmulatorError(f"expected an nki_emulator.Platform, got {type(p).__name__}")
     _platform.append(p)
+    _saved_lnc_variable.append(os.environ.get(LNC_VARIABLE))
+    if p.lnc is not None:
+        os.environ[LNC_VARIABLE] = str(p.lnc)
 
 
 def pop_platform() -> None:
     if len(_platform) > 1:
         _platform.pop()
+        saved = _saved_lnc_variable.pop()
+        if saved is None:
+            os.environ.pop(LNC_VARIABLE, None)
+        else:
+            os.environ[LNC_VARIABLE] = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,6 +234,11 @@ def begin_cost(kernel: str) -> Cost:
     return _local.cost
 
 
+def set_cost(cost: Cost) -> None:
+    """Count this thread's instructions into `cost` (the cores of one launch share one)."""
+    _local.cost = cost
+
+
 def current_cost() -> Cost:
     cost = getattr(_local, "cost", None)
     if cost is None:
@@ -250,32 +296,62 @@ class VirtualRegister:
 
 # ---------------------------------------------------------------------------------------------
 class Tensor:
-    """A tensor in one memory. Indexing with ints and slices gives views, as NKI tile slicing does."""
+    """nki.language.NkiTensor: a tensor in one memory. Indexing with ints and slices gives views, as NKI
+    tile slicing does.
 
-    def __init__(self, array: np.ndarray, buffer: Buffer, name: str = "", whole: bool = True):
-        self.array = array
+    Its attributes are those NkiTensor documents (0.6 stub, aws-neuron-sdk nki/api/nki/language):
+    `shape, strides, offset, name, dtype, buffer, ndim, size`; no `itemsize` (nki-library sizes a
+    dtype from the dtype itself)."""
+
+    def __init__(self, shape, dtype, storage, buffer=None, name: str = ""):
+        # NkiTensor(shape, dtype, storage, buffer=sbuf, name=''): storage is the backend's handle, here
+        # a NumPy array of that shape and dtype.
+        if not isinstance(storage, np.ndarray) or storage.shape != tuple(shape) or storage.dtype != as_dtype(dtype):
+            raise EmulatorError(f"NkiTensor storage must be a NumPy array of shape {tuple(shape)} and dtype {dtype}")
+        self._init(storage, SBUF if buffer is None else buffer, name, True, storage)
+
+    def _init(self, array, buffer, name, whole, root):
+        self._array = array
         self.buffer = buffer
         self.name = name
-        self.whole = whole  # not a slice of a larger tensor: .ap() addresses its storage
+        self._whole = whole  # not a slice of a larger tensor: .ap() addresses its storage
+        self._root = root  # the allocation's array (cross-core checks address its bytes)
+        return self
+
+    @classmethod
+    def _wrap(cls, array: np.ndarray, buffer: "Buffer", name: str = "", whole: bool = True, root=None) -> "Tensor":
+        return cls.__new__(cls)._init(array, buffer, name, whole, array if root is None else root)
 
     @property
     def shape(self) -> tuple:
-        return self.array.shape
+        return self._array.shape
 
     @property
     def dtype(self) -> np.dtype:
-        return self.array.dtype
+        return self._array.dtype
 
     @property
     def ndim(self) -> int:
-        return self.array.ndim
+        return self._array.ndim
 
     @property
-    def itemsize(self) -> int:
-        return self.array.dtype.itemsize
+    def size(self) -> int:
+        """The number of elements."""
+        return self._array.size
+
+    @property
+    def strides(self) -> tuple:
+        """Per dimension, the elements of the storage one step along it moves."""
+        return tuple(s // self._array.dtype.itemsize for s in self._array.strides)
+
+    @property
+    def offset(self) -> int:
+        """Where the view starts in its storage, in elements."""
+        start = self._array.__array_interface__["data"][0] - self._root.__array_interface__["data"][0]
+        return start // self._array.dtype.itemsize
 
     def __repr__(self) -> str:
-        return f"Tensor({self.name or '?'}, {self.shape}, {self.dtype}, {self.buffer!r})"
+        return f"NkiTensor({self.name or '?'}, {self.shape}, {self.dtype}, {self.buffer!r})"
 
     def __getitem__(self, key) -> "Tensor":
         key = key if isinstance(key, tuple) else (key,)
@@ -289,54 +365,102 @@ class Tensor:
                 start, stop = 0 if k.start is None else k.start, size if k.stop is None else k.stop
                 if not (0 <= start <= stop <= size):
                     raise EmulatorError(f"slice {start}:{stop} out of bounds for axis {axis} of size {size} in {self!r}")
-            elif isinstance(k, (int, np.integer)):
+            elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
                 if not 0 <= k < size:
                     raise EmulatorError(f"index {k} out of bounds for axis {axis} of size {size} in {self!r}")
             else:
                 raise EmulatorError(f"unsupported index {k!r}: use ints and slices, or .ap() for dynamic access")
         if self.buffer.on_chip and isinstance(key[0], (int, np.integer)):
             raise EmulatorError("a tile keeps its partition axis: index it with a slice, e.g. t[0:1, ...]")
-        return Tensor(self.array[key], self.buffer, self.name, whole=False)
+        return Tensor._wrap(self._array[key], self.buffer, self.name, False, self._root)
 
     def view(self, dtype) -> "Tensor":
-        """The same bytes as another dtype (nki.language tensor .view): the last axis scales by the ratio
-        of the item sizes. Used to zero fp8 tiles through an integer view."""
+        """The same bytes as another dtype (NkiTensor.view): the last axis scales by the ratio of the item
+        sizes; "the last dimension must be contiguous in memory". Used to zero fp8 tiles through an
+        integer view."""
         dtype = as_dtype(dtype)
         old = self.dtype.itemsize
         if (self.shape[-1] * old) % dtype.itemsize:
             raise EmulatorError(f"view as {dtype}: the last axis of {self.shape} ({old}-byte items) does not split "
                                 f"into {dtype.itemsize}-byte items")
-        if not self.array.flags.c_contiguous and self.array.strides[-1] != old:
+        if not self._array.flags.c_contiguous and self._array.strides[-1] != old:
             raise EmulatorError("view needs a tensor whose last axis is contiguous")
-        return Tensor(self.array.view(dtype), self.buffer, self.name, whole=self.whole)
+        return Tensor._wrap(self._array.view(dtype), self.buffer, self.name, self._whole, self._root)
 
-    def ap(self, pattern, offset=0, vector_offset=None, indirect_dim=0, scalar_offset=None, dtype=None):
-        if not self.whole:
-            # NkiTensor (2.33) documents .ap() on any view as "a low-level access pattern override" of a
-            # view sharing the tensor's storage, but not where the override's offset counts from; so
-            # this is not emulated (it is not a hardware rule).
+    reinterpret_cast = view  # the stub: `reinterpret_cast = ...`, documented beside view as the same operation
+
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """NkiTensor.ap: an explicit [[step, count], ...] pattern over the tensor's storage (see AccessPattern)."""
+        if not self._whole:
+            # NkiTensor.ap (0.6 stub) composes `offset` with a view's base storage offset; emulated on
+            # whole tensors only (a refusal, not a hardware rule).
             raise EmulatorError(".ap() on a slice or view is not emulated; call it on the whole tensor")
         if dtype is not None:
-            raise EmulatorError("only pattern/offset/scalar_offset/vector_offset/indirect_dim access patterns are emulated")
+            raise EmulatorError(".ap(dtype=...) is not emulated; use .view(dtype) on the whole tensor")
         if scalar_offset is not None and vector_offset is not None:
-            raise EmulatorError("at most one of scalar_offset and vector_offset can be specified")
+            raise EmulatorError("at most one of scalar_offset and vector_offset can be specified (nki-aps)")
         if scalar_offset is not None and not isinstance(scalar_offset, VirtualRegister):
-            raise EmulatorError(f"scalar_offset is emulated as a VirtualRegister, got {type(scalar_offset).__name__}")
-        return AccessPattern(self, [list(map(int, p)) for p in pattern], int(offset), vector_offset, int(indirect_dim),
-                             scalar_offset)
+            # nki-aps also allows an SBUF (1, 1) tensor here.
+            raise EmulatorError(f"scalar_offset is emulated as a VirtualRegister (an SBUF (1, 1) tensor is not "
+                                f"emulated), got {type(scalar_offset).__name__}")
+        return AccessPattern(self, [list(map(int, p)) for p in pattern], 0 if offset is None else int(offset),
+                             vector_offset, int(indirect_dim), scalar_offset)
+
+    def get_pattern(self) -> list:
+        """The view's [[stride, count], ...] pattern (NkiTensor.get_pattern)."""
+        return [[stride, count] for stride, count in zip(self.strides, self.shape)]
+
+    def is_contiguous(self) -> bool:
+        """NkiTensor.is_contiguous: every non-size-1 dimension's stride is the product of the inner sizes;
+        on SBUF/PSUM the partition dimension is skipped."""
+        first = 1 if self.buffer.on_chip else 0
+        inner = 1
+        for d in range(self.ndim - 1, first - 1, -1):
+            if self.shape[d] != 1 and self.strides[d] != inner:
+                return False
+            inner *= self.shape[d]
+        return True
+
+    def is_indirect(self) -> bool:
+        return False  # the emulator's views never carry an indirect index (.ap() returns an AccessPattern)
+
+    def _not_emulated(name):
+        def method(self, *args, **kwargs):
+            raise EmulatorError(f"NkiTensor.{name} is documented but not emulated; the emulator covers the "
+                                f"subset permgen's kernels use (index with slices, .view, .ap)")
+        method.__name__ = name
+        return method
+
+    permute = _not_emulated("permute")
+    broadcast = _not_emulated("broadcast")
+    expand_dim = _not_emulated("expand_dim")
+    squeeze_dim = _not_emulated("squeeze_dim")
+    reshape_dim = _not_emulated("reshape_dim")
+    flatten_dims = _not_emulated("flatten_dims")
+    reshape = _not_emulated("reshape")
+    rearrange = _not_emulated("rearrange")
+    slice = _not_emulated("slice")
+    select = _not_emulated("select")
+    vector_select = _not_emulated("vector_select")
+    indirect = _not_emulated("indirect")
+    del _not_emulated
 
 
 class AccessPattern:
-    """tensor.ap(pattern=[[step, count], ...], offset, vector_offset=idx | scalar_offset=reg, indirect_dim=d).
+    """tensor.ap(pattern=[[step, count], ...], offset, scalar_offset=reg | vector_offset=idx, indirect_dim=d).
 
-    Element (i0, i1, ...) lives at flat storage address offset + sum_d i_d * step_d; with a
-    vector offset, dimension d's index i_d is replaced by idx[i_d, 0] and moves by the base tensor's
-    stride along its dimension d (the hardware takes the row stride from the tensor, not from the
-    pattern's step: a probe of `.ap([[4, 2], [1, 4]], vector_offset=[1, 2])` on an [R, 8] tensor reads
-    elements 8 and 16, not 4 and 8); a lane whose index lies outside the tensor's extent along
-    that dimension is out of bounds. A scalar
-    offset (a register) starts dimension d's access that many elements of d further on: the
-    address grows by value * step_d; the whole access must stay inside the tensor.
+    Element (i0, i1, ...) lives at flat storage address offset + sum_k i_k * step_k ("NKI Access
+    Patterns", nki/deep-dives/nki-aps.rst, SDK 2.32). `indirect_dim` names a dimension of the base
+    tensor ("the dimension is relative to the base tensor, not relative to the pattern specified").
+
+    - scalar_offset (a register): the access starts at
+      `offset + scalar_offset * prod(A.shape[indirect_dim+1:])`, "read from the shape of the base
+      tensor, not from the access pattern". The whole access must stay inside the tensor.
+    - vector_offset (an int32/uint32 [lanes, 1] SBUF tile): "only indirect_dim=0 is supported";
+      pattern dimension 0's index i_0 is replaced by idx[i_0, 0] and moves by the base tensor's row
+      stride ("the stride specified in the leading dimension of the pattern ... is currently
+      ignored"); the indexed tensor is in HBM. A lane whose index lies outside the tensor's rows is
+      out of bounds (dma_copy's oob_mode decides).
     """
 
     def __init__(self, tensor: Tensor, pattern, offset, vector_offset, indirect_dim, scalar_offset=None):
@@ -345,26 +469,26 @@ class AccessPattern:
         self.tensor, self.pattern, self.offset = tensor, pattern, offset
         self.vector_offset, self.indirect_dim = vector_offset, indirect_dim
         self.scalar_offset = scalar_offset
-        if scalar_offset is not None and not 0 <= indirect_dim < len(pattern):
-            raise EmulatorError(f"indirect_dim {indirect_dim} outside the {len(pattern)}-d pattern")
+        if (scalar_offset is not None or vector_offset is not None) and not 0 <= indirect_dim < tensor.ndim:
+            raise EmulatorError(f"indirect_dim {indirect_dim} is not a dimension of the {tensor.ndim}-d {tensor!r} "
+                                f"(nki-aps: the dimension is relative to the base tensor)")
         if vector_offset is not None:
-            # The DGE gathers/scatters rows of an HBM tensor with indices from SBUF: the indexed tensor
-            # must be in HBM (nki.isa.dma_copy, 2.33: "gather or scatter ... using a list of dynamic
-            # indices from SBUF"; NKI access patterns deep dive, nki/deep-dives/nki-aps.rst).
+            if indirect_dim != 0:
+                raise EmulatorError(f"vector_offset with indirect_dim={indirect_dim}: nki-aps, \"Currently, only "
+                                    f"indirect_dim=0 is supported\"")
+            # The DGE gathers/scatters rows of an HBM tensor with indices from SBUF (nki.isa.dma_copy:
+            # "gather or scatter ... using a list of dynamic indices from SBUF"; nki-aps, vector_select:
+            # "the source must be an HBM tensor").
             if tensor.buffer not in HBM_BUFFERS:
                 raise EmulatorError(f"vector_offset indexes HBM tensors only; {tensor!r} is in {tensor.buffer!r}")
-            if indirect_dim >= tensor.ndim:
-                raise EmulatorError(f"indirect_dim {indirect_dim} is not a dimension of the {tensor.ndim}-d {tensor!r}")
             if not isinstance(vector_offset, Tensor) or vector_offset.buffer is not SBUF:
                 raise EmulatorError("vector_offset must be an SBUF tile")
             if vector_offset.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
                 raise EmulatorError(f"vector_offset must be int32/uint32, got {vector_offset.dtype}")
-            if not 0 <= indirect_dim < len(pattern):
-                raise EmulatorError(f"indirect_dim {indirect_dim} outside the {len(pattern)}-d pattern")
-            lanes = pattern[indirect_dim][1]
+            lanes = pattern[0][1]
             if vector_offset.shape != (lanes, 1):
-                raise EmulatorError(f"vector_offset must have shape ({lanes}, 1) to index dimension "
-                                    f"{indirect_dim} of {pattern}, got {vector_offset.shape}")
+                raise EmulatorError(f"vector_offset must have shape ({lanes}, 1) to index dimension 0 of {pattern}, "
+                                    f"got {vector_offset.shape}")
 
     @property
     def shape(self) -> tuple:
@@ -379,31 +503,28 @@ class AccessPattern:
         return self.tensor.buffer
 
     def resolve(self):
-        """(flat storage, addresses[shape], lanes in bounds along the indirect dim or None)."""
-        storage = self.tensor.array.reshape(-1)
+        """(flat storage, addresses[shape], lanes in bounds along pattern dimension 0 or None)."""
+        storage = self.tensor._array.reshape(-1)
         start = self.offset
         if self.scalar_offset is not None:
-            start += self.scalar_offset.value("scalar_offset") * self.pattern[self.indirect_dim][0]
+            start += self.scalar_offset.value("scalar_offset") * math.prod(self.tensor.shape[self.indirect_dim + 1:])
         addresses = np.full(self.shape, start, dtype=np.int64)
         valid = None
         for d, (step, count) in enumerate(self.pattern):
             index = np.arange(count, dtype=np.int64)
-            if self.vector_offset is not None and d == self.indirect_dim:
-                index = self.vector_offset.array[:, 0].astype(np.int64)
+            if self.vector_offset is not None and d == 0:
+                index = self.vector_offset._array[:, 0].astype(np.int64)
                 if self.vector_offset.dtype == np.dtype(np.int32) and (index == _as_signed(INT_POISON[4])).any():
                     raise EmulatorError("vector_offset holds never-written entries")
-                step = self.tensor.array.strides[d] // self.tensor.dtype.itemsize
-                extent = self.tensor.shape[d]
-                valid = (index >= 0) & (index < extent)
+                step = math.prod(self.tensor.shape[1:])
+                valid = (index >= 0) & (index < self.tensor.shape[0])
                 index = np.where(valid, index, 0)
             shape = [1] * len(self.pattern)
             shape[d] = count
             addresses = addresses + (index * step).reshape(shape)
         inside = (addresses >= 0) & (addresses < storage.size)
         if valid is not None:
-            lane_shape = [1] * len(self.pattern)
-            lane_shape[self.indirect_dim] = -1
-            inside = inside | ~valid.reshape(lane_shape)
+            inside = inside | ~valid.reshape([-1] + [1] * (len(self.pattern) - 1))
         if addresses.size and not inside.all():
             raise EmulatorError(f"access pattern {self.pattern} + {self.offset} leaves {self.tensor!r}")
         return storage, addresses, valid
@@ -428,6 +549,13 @@ def new_tensor(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
             raise EmulatorError(f"PSUM tile of {per_partition} bytes per partition exceeds one {PSUM_BANK_BYTES}-byte bank")
         array = poison(shape, dtype)
         ledger().allocate(array, buffer, per_partition)
-    else:
-        array = poison(shape, dtype)
-    return Tensor(array, buffer, name)
+        return Tensor._wrap(array, buffer, name)
+    if buffer is SHARED_HBM and _cores.current() is not None and _cores.current()[0].lnc > 1:
+        # At LNC > 1 the k-th shared_hbm allocation of every core is one tensor.
+        launch, core = _cores.current()
+        return launch.shared_allocation(core, _cores.next_shared_index(), shape, dtype,
+                                        lambda: Tensor._wrap(poison(shape, dtype), buffer, name))
+    return Tensor._wrap(poison(shape, dtype), buffer, name)
+
+
+from . import _cores  # noqa: E402  (it uses the names above)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _core
+from . import _core, _cores
 from ._core import EmulatorError, Platform, Tensor
 
 __all__ = ["Platform", "ReplicaGroup", "all_to_all", "all_to_all_v", "rank_id", "run_ranks"]
@@ -76,8 +76,17 @@ def _context() -> tuple[_World, int]:
     return world, _local.rank
 
 
-def rank_id() -> int:
-    """The calling rank's id in the run_ranks world."""
+def _rank_context():
+    return getattr(_local, "world", None), getattr(_local, "rank", None)
+
+
+def _enter_rank_context(context) -> None:
+    """The cores of a kernel launched on a rank belong to that rank."""
+    _local.world, _local.rank = context
+
+
+def rank_id(name=None) -> int:
+    """The calling rank's id in the run_ranks world (both cores of a rank at LNC=2 see the same)."""
     return _context()[1]
 
 
@@ -117,13 +126,19 @@ def _hbm_list(tensors, what: str, kind: str) -> Tensor:
     t = tensors[0]
     if not isinstance(t, Tensor) or t.buffer not in _core.HBM_BUFFERS:
         raise EmulatorError(f"{kind}: {what} must be HBM tensors, got {t!r}")
-    if not t.whole:
+    if not t._whole:
         raise EmulatorError(f"{kind}: {what} must be whole tensors, not slices")
     return t
 
 
 # ---------------------------------------------------------------------------------------------
 def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=None):
+    return _on_the_rank("ncc.all_to_all", _all_to_all, (srcs, dsts, replica_group, collective_dim, priority, name),
+                        inputs=list(srcs) if isinstance(srcs, (list, tuple)) else [],
+                        outputs=list(dsts) if isinstance(dsts, (list, tuple)) else [])
+
+
+def _all_to_all(srcs, dsts, replica_group, collective_dim, priority, name):
     """Split src along dim 0 into one chunk per rank of the rank-list; chunk j goes to rank j, and
     the chunk from rank i lands as chunk i of dst. HBM only; collective_dim 0 only."""
     kind = "all_to_all"
@@ -133,7 +148,7 @@ def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=
         raise EmulatorError(f"{kind}: only collective_dim=0 is supported")
     if src.dtype != dst.dtype or src.shape != dst.shape:
         raise EmulatorError(f"{kind}: src {src.shape} {src.dtype} and dst {dst.shape} {dst.dtype} must match")
-    ranks, me, posts = _exchange(kind, replica_group, src.array.copy())
+    ranks, me, posts = _exchange(kind, replica_group, src._array.copy())
     size = len(ranks)
     if src.shape[0] % size:
         raise EmulatorError(f"{kind}: dim 0 of {src.shape} does not split into {size} equal chunks")
@@ -142,7 +157,7 @@ def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=
         raise EmulatorError(f"{kind}: the ranks' buffers differ in shape ({sorted({posts[r].shape for r in ranks})}): "
                             f"every rank splits the same shape into equal chunks")
     for i, r in enumerate(ranks):
-        dst.array[i * chunk:(i + 1) * chunk] = posts[r][me * chunk:(me + 1) * chunk]
+        dst._array[i * chunk:(i + 1) * chunk] = posts[r][me * chunk:(me + 1) * chunk]
 
 
 def _check_generation(kind: str, ranks: list[int], has_rdispls: bool) -> None:
@@ -153,8 +168,10 @@ def _check_generation(kind: str, ranks: list[int], has_rdispls: bool) -> None:
     if plat.generation == "trn3":
         per_device = plat.ranks_per_device
         devices = sorted({r // per_device for r in ranks})
-        if plat.lnc != 2:
-            raise EmulatorError(f"{kind} on a NeuronSwitch (trn3) platform requires LNC=2, this one runs LNC={plat.lnc}")
+        state = _cores.current()
+        lnc = state[0].lnc if state is not None else plat.logical_cores
+        if lnc != 2:
+            raise EmulatorError(f"{kind} on a NeuronSwitch (trn3) platform requires LNC=2, this one runs LNC={lnc}")
         if len(devices) < 2:
             raise EmulatorError(f"{kind} on a NeuronSwitch (trn3) platform needs more than one participating device; "
                                 f"rank-list {ranks} lies on device {devices[0]} ({per_device} ranks per device)")
@@ -175,6 +192,13 @@ def _check_generation(kind: str, ranks: list[int], has_rdispls: bool) -> None:
 
 def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=False, has_rdispls=False,
                  priority=None, name=None):
+    listed = (lambda x: list(x) if isinstance(x, (list, tuple)) else [])
+    return _on_the_rank("ncc.all_to_all_v", _all_to_all_v,
+                        (srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls, priority, name),
+                        inputs=listed(srcs) + [metadata_tensor], outputs=listed(dsts) + [metadata_tensor])
+
+
+def _all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls, priority, name):
     """Variable all-to-all over flat element buffers.
 
     metadata_tensor: uint32 HBM [rows, group size]; row 0 send counts, row 1 send displacements,
@@ -188,7 +212,7 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
     _core.count_instruction()
     src, dst = _hbm_list(srcs, "srcs", kind), _hbm_list(dsts, "dsts", kind)
     meta = metadata_tensor
-    if not isinstance(meta, Tensor) or meta.buffer not in _core.HBM_BUFFERS or not meta.whole:
+    if not isinstance(meta, Tensor) or meta.buffer not in _core.HBM_BUFFERS or not meta._whole:
         raise EmulatorError(f"{kind}: metadata_tensor must be a whole HBM tensor, got {meta!r}")
     if meta.dtype != np.dtype(np.uint32) or meta.ndim != 2:
         raise EmulatorError(f"{kind}: metadata_tensor must be 2-d uint32, got {meta.shape} {meta.dtype}")
@@ -197,11 +221,11 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
     need_rows = 4 if has_rdispls else 3
     if meta.shape[0] < need_rows:
         raise EmulatorError(f"{kind}: metadata_tensor needs {need_rows} rows (has_rdispls={has_rdispls}), got {meta.shape}")
-    values = meta.array.astype(np.int64)
+    values = meta._array.astype(np.int64)
     read_rows = [0, 1] + ([3] if has_rdispls else [])
     if (values[read_rows] == _core.INT_POISON[4]).any():
         raise EmulatorError(f"{kind}: metadata_tensor holds never-written entries")
-    ranks, me, posts = _exchange(kind, replica_group, (src.array.reshape(-1).copy(), values[0].copy(), values[1].copy()))
+    ranks, me, posts = _exchange(kind, replica_group, (src._array.reshape(-1).copy(), values[0].copy(), values[1].copy()))
     size = len(ranks)
     if meta.shape[1] != size:
         raise EmulatorError(f"{kind}: metadata_tensor has {meta.shape[1]} columns for a rank-list of {size} ranks")
@@ -219,17 +243,17 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
     counts = np.array([a.size for a in arriving], dtype=np.int64)
     if has_rdispls:
         starts = values[3]
-        limits = np.full(size, dst.array.size, dtype=np.int64)
+        limits = np.full(size, dst._array.size, dtype=np.int64)
     else:
-        slot = dst.array.size // size
+        slot = dst._array.size // size
         starts = np.arange(size, dtype=np.int64) * slot
         limits = starts + slot
-    out = dst.array.reshape(-1)
+    out = dst._array.reshape(-1)
     for j in range(size):
         start, end = int(starts[j]), int(starts[j]) + int(counts[j])
         if end > limits[j]:
             raise EmulatorError(f"{kind}: receive capacity exceeded on rank {ranks[me]}: {counts[j]} elements from rank "
-                                f"{ranks[j]} at {start} overflow the {dst.array.size}-element destination"
+                                f"{ranks[j]} at {start} overflow the {dst._array.size}-element destination"
                                 f"{'' if has_rdispls else f' slot [{start}, {int(limits[j])})'}")
     order = np.argsort(starts, kind="stable")
     for a, b in zip(order[:-1], order[1:]):
@@ -238,7 +262,32 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
     for j in range(size):
         out[int(starts[j]):int(starts[j]) + int(counts[j])] = arriving[j]
     if not recv_counts_known:
-        meta.array[2] = counts.astype(np.uint32)
+        meta._array[2] = counts.astype(np.uint32)
+
+
+def _on_the_rank(kind: str, op, args, inputs, outputs):
+    """Run a collective for the calling rank. At LNC=2 both cores of the rank issue it with the same
+    arguments and it runs once, when both have arrived (see _cores: its inputs carry no write of the
+    current barrier epoch; no core reads its outputs before a core_barrier on them)."""
+    if args[-2] is not None:
+        raise EmulatorError(f"{kind}(priority=...) is not emulated")
+    state = _cores.current()
+    if state is None or state[0].lnc == 1:
+        return op(*args)
+    launch, core = state
+    tensors = [t for t in inputs + outputs if isinstance(t, Tensor)]
+
+    def run_once():
+        for t in inputs:
+            if isinstance(t, Tensor):
+                _cores.check_unwritten(t, kind)
+        op(*args)
+        for t in outputs:
+            if isinstance(t, Tensor):
+                _cores.note_collective_write(t)
+
+    key = (tuple(id(t) for t in tensors), repr(args[2]), tuple(a for a in args[3:] if not isinstance(a, Tensor)))
+    launch.sync(core, kind, key=key, action=run_once)
 
 
 # ---------------------------------------------------------------------------------------------

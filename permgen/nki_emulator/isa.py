@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import _core
+from . import _core, _cores
 from ._core import PSUM, SBUF, AccessPattern, EmulatorError, Tensor, VirtualRegister
 from .language import Operator
 
@@ -27,16 +27,40 @@ _OobMode = oob_mode
 
 class dge_mode(enum.Enum):  # noqa: N801
     unknown = "unknown"
-    none = "none"
     swdge = "swdge"
     hwdge = "hwdge"
+    none = "none"
+
+
+_DgeMode = dge_mode
+
+
+class engine(enum.Enum):  # noqa: N801  (mirrors nisa.engine)
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    dma = "dma"
+    sync = "sync"
+    unknown = "unknown"
+
+
+_Engine = engine
 
 
 def _tile(x, what: str) -> Tensor:
+    """A compute engine's operand: an SBUF or PSUM tile of a dtype the engines of this NeuronCore handle."""
     if not isinstance(x, Tensor):
         raise EmulatorError(f"{what} must be a tile, got {type(x).__name__}")
     if not x.buffer.on_chip:
         raise EmulatorError(f"{what} must be in SBUF or PSUM, not {x.buffer!r}: compute engines cannot read HBM")
+    if x.dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
+        # nki.isa.nc_matmul (2.32): "Starting NeuronCore-v4, float8_e4m3fn (OCP FP8) is also supported"; no
+        # page documents float8_e4m3fn on a NeuronCore-v3 compute engine (nki-library resolves it to
+        # float8_e4m3 on gen3 and older). DMA moves and converts it (dma_copy: "any supported NKI data types").
+        plat = _core.platform()
+        raise EmulatorError(f"{what} is float8_e4m3fn on {plat.generation} (NeuronCore-v{plat.nc_version}): not "
+                            f"documented for compute engines before NeuronCore-v4; use float8_e4m3 there")
     return x
 
 
@@ -46,11 +70,24 @@ def _same_shape(dst: Tensor, src: Tensor, what: str) -> None:
 
 
 def _fp32(x: Tensor) -> np.ndarray:
-    return x.array.astype(np.float32)
+    return x._array.astype(np.float32)
 
 
 def _write(dst: Tensor, values: np.ndarray) -> None:
-    dst.array[...] = _core.cast(values, dst.dtype)
+    dst._array[...] = _core.cast(values, dst.dtype)
+
+
+def _convert(values: np.ndarray, dtype) -> np.ndarray:
+    """A dtype conversion by DMA or a compute engine: "first casting from src.dtype to float32, then from
+    float32 to dst.dtype" (nki.isa.dma_copy, 2.32; tensor_copy: an "intermediate FP32 cast when input and
+    output data types differ"), so integers above 2^24 round."""
+    return _core.cast(np.asarray(values).astype(np.float32), np.dtype(dtype))
+
+
+def _engine(value, what: str, allowed) -> "engine":
+    if not isinstance(value, _Engine) or value not in allowed:
+        raise EmulatorError(f"{what} engine={value!r}: emulated for {', '.join(f'nisa.engine.{e.name}' for e in allowed)}")
+    return value
 
 
 def _operand(op: Operator, operand, data: Tensor, what: str):
@@ -59,17 +96,16 @@ def _operand(op: Operator, operand, data: Tensor, what: str):
         _tile(operand, what)
         if operand.shape != (data.shape[0], 1):
             raise EmulatorError(f"{what} must be a ({data.shape[0]}, 1) tile or a scalar, got {operand.shape}")
-        column = operand.array if op.kind == "bitvec" else _fp32(operand)
+        column = operand._array if op.kind == "bitvec" else _fp32(operand)
         return column.reshape((data.shape[0],) + (1,) * (data.ndim - 1))
     if not isinstance(operand, (int, float, np.integer, np.floating)) or isinstance(operand, bool):
         raise EmulatorError(f"{what} must be a tile or a Python number, got {type(operand).__name__}")
     # Arithmetic operators convert their inputs to fp32 ("Supported Math Operators for NKI ISA",
-    # nki/api/nki.api.shared); their scalar operands are floats (nki.isa.tensor_scalar and
-    # scalar_tensor_tensor, 2.33 signatures: `operand0: float | NkiTensor`). Integer scalars belong to
-    # bitvec operators, whose inputs are bit patterns.
-    if op.kind == "arith" and isinstance(operand, (int, np.integer)):
-        raise EmulatorError(f"{what}={operand!r} is an integer scalar for the arithmetic operator {op!r}: "
-                            f"pass a float (e.g. {float(operand)!r})")
+    # nki/api/nki.api.shared) and their scalar operands "must be float32" (nki.isa.tensor_scalar, 2.32):
+    # a Python int is taken as that float32, as nki-library's kernels pass them (`op0=nl.add, operand0=1`
+    # in moe_cte/bwmm_shard_on_I.py). Bitvec operators take integer scalars as bit patterns.
+    if op.kind == "arith":
+        return np.float32(operand)
     return operand
 
 
@@ -83,23 +119,36 @@ def _check_bitvec(op: Operator, *tiles: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, name=None):
+def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
+             name=None):
     """dst = src. One side may be an indirect access pattern; its out-of-bounds lanes raise under
     oob_mode.error and are left untouched under oob_mode.skip.
 
     The DMA converts when the dtypes differ (nki.isa.dma_copy: "A cast will happen if the src and dst
-    have different dtype"), and needs equal element counts, not equal shapes (a direct copy moves the
-    elements in row-major order; nki-library's a2av kernels note the assert "src and dst have the same
-    number of elements"). An indirect copy keeps its lanes, so its two sides must have equal shapes."""
-    if dst_rmw_op is not None:
-        raise EmulatorError("dst_rmw_op is not emulated")
+    have different dtype"), through fp32 like every engine (see _convert), and needs equal element
+    counts, not equal shapes (a direct copy moves the elements in row-major order; nki-library's
+    a2av kernels note the assert "src and dst have the same number of elements"). An indirect copy
+    keeps its lanes, so its two sides must have equal shapes. An access pattern with a vector_offset
+    needs software DGE: "the DGE mode is constrained to swdge", `unknown` (the default) selecting it
+    ("Descriptor Generation Engine (DGE) Reference", nki/deep-dives/nki-dge.rst, SDK 2.32)."""
+    if priority is not None:
+        raise EmulatorError("dma_copy(priority=...) is not emulated")
+    if engine is not _Engine.unknown:
+        raise EmulatorError("dma_copy(engine=...) is not emulated (it picks a hardware DGE trigger engine)")
     for side, what in ((dst, "dst"), (src, "src")):
         if not isinstance(side, (Tensor, AccessPattern)):
             raise EmulatorError(f"dma_copy {what} must be a tensor or access pattern")
+    if not isinstance(dge_mode, _DgeMode):
+        raise EmulatorError(f"dma_copy dge_mode must be an nisa.dge_mode member, got {dge_mode!r}")
+    if not isinstance(oob_mode, _OobMode):
+        raise EmulatorError(f"dma_copy oob_mode must be an nisa.oob_mode member, got {oob_mode!r}")
     if isinstance(dst, AccessPattern) and isinstance(src, AccessPattern) and (
             dst.vector_offset is not None and src.vector_offset is not None):
         raise EmulatorError("only one side of a dma_copy may be indirect")
     indirect = any(isinstance(side, AccessPattern) and side.vector_offset is not None for side in (dst, src))
+    if indirect and dge_mode not in (_DgeMode.unknown, _DgeMode.swdge):
+        raise EmulatorError(f"dma_copy with a vector_offset access pattern and dge_mode={dge_mode.name}: nki-dge, "
+                            f"\"the DGE mode is constrained to swdge\" (pass dge_mode=unknown or swdge)")
     if tuple(dst.shape) != tuple(src.shape):
         if indirect:
             raise EmulatorError(f"indirect dma_copy shapes differ: dst {tuple(dst.shape)} vs src {tuple(src.shape)}")
@@ -112,16 +161,15 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mo
 
     def read(side):
         if isinstance(side, Tensor):
-            return side.array.copy(), None
+            return side._array.copy(), None, None
         storage, addresses, valid = side.resolve()
-        return storage[addresses], (valid, side.indirect_dim)
+        return storage[addresses], (valid, side.indirect_dim), addresses
 
-    values, src_lanes = read(src)
+    values, src_lanes, src_addresses = read(src)
     if tuple(values.shape) != tuple(dst.shape):
         values = values.reshape(dst.shape)
     if values.dtype != dst.dtype:
-        values = _core.cast(values if _core.is_int(values.dtype) and _core.is_int(dst.dtype) else values.astype(np.float32),
-                            dst.dtype)
+        values = _convert(values, dst.dtype)
     if isinstance(dst, AccessPattern):
         storage, addresses, valid = dst.resolve()
         lanes = (valid, dst.indirect_dim)
@@ -138,14 +186,21 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=oob_mode.error, dge_mode=dge_mo
         shape = [1] * values.ndim
         shape[dim] = -1
         keep = np.broadcast_to(valid.reshape(shape), values.shape)
+    # Shared HBM at LNC > 1: what this core reads and writes (the cross-core race checks of _cores).
+    if isinstance(src, Tensor):
+        _cores.note_read(src, "dma_copy src", keep=keep.reshape(src.shape) if src.shape == values.shape else None)
+    else:
+        _cores.note_read(src.tensor, "dma_copy src", elements=src_addresses.reshape(values.shape)[keep])
     if storage is not None:
+        _cores.note_write(dst.tensor, "dma_copy dst", values[keep], elements=addresses[keep])
         storage[addresses[keep]] = values[keep]
     else:
-        dst.array[keep] = values[keep]
+        _cores.note_write(dst, "dma_copy dst", values[keep], keep=keep)
+        dst._array[keep] = values[keep]
     _core.count_instruction(indirect, int(np.count_nonzero(keep)) * src.dtype.itemsize)
 
 
-def memset(dst, value, engine=None, name=None):
+def memset(dst, value, engine=engine.unknown, name=None):
     _core.count_instruction()
     _tile(dst, "memset dst")
     _write(dst, np.full(dst.shape, value, dtype=np.float64 if not _core.is_int(dst.dtype) else np.int64))
@@ -169,31 +224,58 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     _write(dst, values.astype(np.int32).reshape(dst.shape))
 
 
-def tensor_copy(dst, src, engine=None, name=None):
+def tensor_copy(dst, src, engine=engine.unknown, name=None):
+    """dst = src on a compute engine: "bit-accurate copy when input and output data types are the same or
+    (2) intermediate FP32 cast when input and output data types differ" (nki.isa.tensor_copy, 2.32)."""
     _core.count_instruction()
     _tile(dst, "tensor_copy dst")
     _tile(src, "tensor_copy src")
+    _engine(engine, "tensor_copy", (_Engine.unknown, _Engine.vector, _Engine.scalar, _Engine.gpsimd))
     _same_shape(dst, src, "tensor_copy")
-    _write(dst, src.array if _core.is_int(src.dtype) and _core.is_int(dst.dtype) else _fp32(src))
+    if src.dtype == dst.dtype:
+        dst._array[...] = src._array
+    else:
+        dst._array[...] = _convert(src._array, dst.dtype)
 
 
-def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
+_INTEGER_32 = (np.dtype(np.int32), np.dtype(np.uint32))
+
+
+def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
+    """dst = data1 op data2, element-wise (nki.isa.tensor_tensor, 2.32). Arithmetic operators compute in
+    fp32, except that "when all input/output tiles are int32 or uint32, the operation defaults to GpSimd
+    Engine, which uses native integer arithmetic. This ensures exact results for all 32-bit integer
+    values" (since 2.29); `engine=nki.isa.engine.vector`, or an operand in PSUM ("falls back to Vector
+    Engine"), computes in fp32."""
     _core.count_instruction()
     for t, what in ((dst, "dst"), (data1, "data1"), (data2, "data2")):
         _tile(t, f"tensor_tensor {what}")
+    _engine(engine, "tensor_tensor", (_Engine.unknown, _Engine.vector, _Engine.gpsimd))
     _same_shape(data1, data2, "tensor_tensor inputs")
     _same_shape(dst, data1, "tensor_tensor")
     if data1.buffer is PSUM and data2.buffer is PSUM:
         raise EmulatorError("tensor_tensor inputs cannot both be in PSUM")
     _check_bitvec(op, dst, data1, data2)
     if op.kind == "bitvec":
-        _write(dst, op.fn(data1.array, data2.array))
-    else:
-        _write(dst, op.fn(_fp32(data1), _fp32(data2)))
+        _write(dst, op.fn(data1._array, data2._array))
+        return
+    integer = all(t.dtype in _INTEGER_32 for t in (dst, data1, data2))
+    in_psum = any(t.buffer is PSUM for t in (dst, data1, data2))
+    if integer and engine is _Engine.gpsimd and in_psum:
+        raise EmulatorError("tensor_tensor on engine=gpsimd with a PSUM tile: GpSimd Engine cannot access PSUM")
+    if integer and engine is not _Engine.vector and not in_psum:
+        exact = op.fn(data1._array.astype(np.int64), data2._array.astype(np.int64))
+        info = np.iinfo(dst.dtype)
+        if (exact < info.min).any() or (exact > info.max).any():
+            raise EmulatorError(f"tensor_tensor {op!r} on GpSimd: a result outside {dst.dtype}; what native integer "
+                                f"arithmetic does on overflow is not documented")
+        dst._array[...] = exact.astype(dst.dtype)
+        return
+    _write(dst, op.fn(_fp32(data1), _fp32(data2)))
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
-                  engine=None, name=None):
+                  engine=engine.unknown, name=None):
     """dst = (data op0 operand0) op1 operand1, operands broadcast along the free axes."""
     _core.count_instruction()
     _tile(dst, "tensor_scalar dst")
@@ -204,7 +286,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     if op1 is not None and op1.kind != op0.kind:
         raise EmulatorError("tensor_scalar: op0 and op1 must both be arithmetic or both bitvec")
     _check_bitvec(op0, dst, data)
-    x = data.array if op0.kind == "bitvec" else _fp32(data)
+    x = data._array if op0.kind == "bitvec" else _fp32(data)
     x = _apply(op0, x, _operand(op0, operand0, data, "operand0"), reverse0)
     if op1 is not None:
         x = _apply(op1, x, _operand(op1, operand1, data, "operand1"), reverse1)
@@ -329,7 +411,33 @@ def register_load(dst, src):
         raise EmulatorError(f"register_load reads values of up to 32 bits, got {src.dtype}")
     if not _core.is_int(src.dtype):
         raise EmulatorError(f"register_load of a {src.dtype} value is not emulated; load an integer tile")
-    value = src.array.reshape(-1)[0]
+    _cores.note_read(src, "register_load src")
+    value = src._array.reshape(-1)[0]
     if value == _core.poison((1,), src.dtype)[0]:
         raise EmulatorError("register_load reads memory that was never written")
     dst._value = int(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronisation between the cores of an LNC=2 launch (see _cores).
+def core_barrier(data, cores, engine=engine.gpsimd, name=None):
+    """Every core waits here until all have arrived; writes to `data` made before it are then visible to
+    the other core (nki.isa.core_barrier, 2.32: "both cores can perform the write to data in HBM using
+    nisa.dma_copy, and then signal to each other when the write operation is complete"). "This
+    instruction is only allowed in NeuronCore-v3 or newer when LNC (Logical NeuronCore) is enabled.
+    Currently only cores=(0, 1) is supported"; `data` "must be data in shared HBM". The barrier "will
+    block execution on this engine, other engines will not be blocked", so it orders the accesses to
+    `data` only."""
+    launch, core = _cores.require("nisa.core_barrier")
+    _core.count_instruction()
+    if launch.lnc < 2:
+        raise EmulatorError("nisa.core_barrier at LNC=1: the instruction \"is only allowed ... when LNC (Logical "
+                            "NeuronCore) is enabled\" (launch the kernel as kernel[2](...))")
+    # The page says "a tuple of core indices"; nki-library's mlp_tkg passes the list [0, 1].
+    if not isinstance(cores, (tuple, list)) or tuple(cores) != (0, 1):
+        raise EmulatorError(f"nisa.core_barrier cores={cores!r}: \"Currently only cores=(0, 1) is supported\"")
+    if not isinstance(data, Tensor) or data.buffer is not _core.SHARED_HBM:
+        raise EmulatorError(f"nisa.core_barrier data must be a tensor in nl.shared_hbm, got {data!r}")
+    _engine(engine, "core_barrier", tuple(_Engine))
+    launch.sync(core, "nisa.core_barrier", key=(id(data._root), data.offset, data.shape),
+                action=lambda: _cores.publish(data))

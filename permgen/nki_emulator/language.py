@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import _core
+from . import _core, _cores
 from ._core import PSUM, SBUF, SHARED_HBM, PRIVATE_HBM, Tensor  # noqa: F401  (re-exported names)
 
 # Memories. `hbm` is an alias of `private_hbm`.
@@ -103,3 +103,29 @@ def dynamic_range(start, stop=None, step=1):
     for i in range(lo, hi, step):
         _core.current_cost().dynamic_iterations += 1
         yield _core.VirtualRegister(i)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPMD programs: at LNC=2 a kernel runs once per core ("Using Logical Neuron Cores (LNC)",
+# nki/get-started/about/lnc.rst, SDK 2.32). The launch grid is one axis of LNC programs.
+def program_id(axis=0) -> int:
+    """This core's index, 0 or 1 at LNC=2 and 0 at LNC=1 (lnc.rst: "In the case of LNC=2, this API will
+    return either 0 or 1. When not using LNC, this API will return 0")."""
+    launch, core = _cores.require("nl.program_id")
+    if axis != 0:
+        raise _core.EmulatorError(f"nl.program_id({axis!r}): an LNC launch grid has one axis, 0")
+    return core
+
+
+def num_programs(axes=0) -> int:
+    """The cores the kernel runs on: 1 without LNC, 2 at LNC=2 (lnc.rst)."""
+    launch, _ = _cores.require("nl.num_programs")
+    if axes not in (0, None, (0,), [0]):
+        raise _core.EmulatorError(f"nl.num_programs({axes!r}): an LNC launch grid has one axis, 0")
+    return launch.lnc
+
+
+def program_ndim() -> int:
+    """Dimensions of the launch grid: 1 for kernel[lnc](...), "0 if no grid" (a plain kernel(...) call)."""
+    launch, _ = _cores.require("nl.program_ndim")
+    return launch.grid_ndim
