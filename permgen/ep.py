@@ -48,6 +48,7 @@ The collectives move bytes, so every dtype goes through gloo (CPU) and NCCL (GPU
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -63,7 +64,10 @@ class EpHandle:
     """What dispatch leaves for combine and the backward passes (opaque to users)."""
 
     ops: object  # the variant's permgen.ops.Ops
-    group: object
+    # A weak reference: a handle (and the autograd graph holding it) must not keep the process group
+    # alive past destroy_process_group, or gloo's group is torn down at interpreter exit instead,
+    # which aborted the process now and then ("terminate called without an active exception").
+    group_ref: weakref.ref
     send_map: RowIdMap  # the sender's routes, their rows in the send buffer
     send_splits: list  # rows on the wire to each rank
     recv_splits: list  # rows on the wire from each rank
@@ -72,6 +76,13 @@ class EpHandle:
     num_out: int  # M, rows of dispatch's output
     hidden: int
     dropped: torch.Tensor  # int64 [world size]: rows from each source rank that did not fit
+
+    @property
+    def group(self):
+        group = self.group_ref()
+        if group is None:
+            raise ValueError(f"{self.ops.name}: the process group of this dispatch was destroyed")
+        return group
 
 
 class DispatchResult(NamedTuple):
@@ -143,8 +154,11 @@ def _to_sources(h: EpHandle, rows, probs=None):
 
 
 def _pack(h: EpHandle, permuted):
-    """permute's rows -> the send buffer (the routed rows only, in capacity mode slotted)."""
-    return permuted if h.pack_rows is None else _gather_rows(h.ops, h.pack_rows, permuted)
+    """permute's rows -> the send buffer: their first rows (a view), or the routed rows gathered
+    (padded variants; capacity mode over several ranks, slotted)."""
+    if h.pack_rows is None:
+        return permuted[:sum(h.send_splits)]
+    return _gather_rows(h.ops, h.pack_rows, permuted)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -348,18 +362,26 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
             table, tokens_per_expert = None, kept.sum(0)  # already (local expert, source) ordered
         else:
             table, tokens_per_expert = _regroup_table(ops, kept, blocks, num_out, pad)
-    handle = EpHandle(ops, group, send_map, send_splits, recv_splits, pack_rows, table, num_out, plan.hidden, dropped)
+    handle = EpHandle(ops, weakref.ref(group), send_map, send_splits, recv_splits, pack_rows, table, num_out, plan.hidden, dropped)
     out, out_probs = _Dispatch.apply(handle, res, tokens, probs)
     out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))[0]
     return DispatchResult(out, out_probs, out_scale, tokens_per_expert, handle)
 
 
 def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check):
-    """Route counts (and the routing check) exchanged and read back once; permute sized exactly;
-    padded variants pack their routed rows (pad rows stay home)."""
+    """Route counts (and the routing check) exchanged and read back once; padded variants pack
+    their routed rows (pad rows stay home)."""
     num_experts, pad = plan.num_experts, ops.variant["pad"]
     device = tokens.device
-    counts = _route_counts(ops, routing, num_experts)
+    res = None
+    if not pad and (not ops.mask or topk is not None):
+        # permute first, with a row for every route slot: its routing kernel counts the routes per
+        # expert, and it runs while the host waits for the counts instead of after.
+        res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts,
+                          num_out_tokens=plan.num_tokens * plan.width, topk=topk, check_routing=False)
+        counts = res.tokens_per_expert
+    else:
+        counts = _route_counts(ops, routing, num_experts)
     bad = _bad_routes(ops, routing, num_experts, plan.width) if check else counts.new_zeros(1)
     recv = torch.empty((world, local + 1), dtype=torch.int64, device=device)
     dist.all_to_all_single(recv, torch.cat([counts.view(world, local), bad.expand(world, 1)], 1), group=group)
@@ -370,18 +392,31 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
     send_splits = [sum(mine[d * local:(d + 1) * local]) for d in range(world)]
     recv_splits = [sum(g[:local]) for g in got]
     num_out = sum(_round_up(sum(g[e] for g in got), pad) for e in range(local))
-    permuted_rows = sum(_round_up(c, pad) for c in mine)
-    res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=permuted_rows,
-                      topk=topk, check_routing=False)
-    send_map, pack_rows = res.row_id_map, None
-    if pad:
-        sent = sum(send_splits)
+    sent = sum(send_splits)
+    pack_rows = None
+    if res is not None:
+        send_map = res.row_id_map._replace(num_rows=sent)  # the routed rows are permute's first rows
+    elif not pad:
+        res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=sent, topk=topk,
+                          check_routing=False)
+        send_map = res.row_id_map
+    else:
+        permuted_rows = sum(_round_up(c, pad) for c in mine)
+        res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=permuted_rows,
+                          topk=topk, check_routing=False)
         pack_rows = _chunked_rows(counts, res.row_id_map.segment_offsets[:num_experts].long(),
                                   torch.ones_like(counts), sent)
         offsets = torch.cat([_exclusive_cumsum(counts, 0), counts.sum().reshape(1)])
         send_map = _send_row_map(res.row_id_map, _inverse_rows(pack_rows, permuted_rows, -1), offsets, counts, sent)
     dropped = torch.zeros(world, dtype=torch.int64, device=device)
     return res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out, dropped
+
+
+def _routes(ops, routing, num_experts):
+    """int64 [1]: routes to some expert (ids in [0, E); mask entries set), counted on the device."""
+    if ops.mask:
+        return (routing != 0).sum(dtype=torch.int64).reshape(1)
+    return ((routing >= 0) & (routing < num_experts)).sum(dtype=torch.int64).reshape(1)
 
 
 def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, capacity, check):
@@ -395,17 +430,18 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=capacity,
                           topk=topk, check_routing=False)
         fit = res.row_id_map.segment_counts.long().view(1, local)
-        routed = _route_counts(ops, routing, num_experts).view(1, local)
+        routed = _routes(ops, routing, num_experts).view(1, 1)
         send_map, pack_rows = res.row_id_map, None
     else:
         bound = plan.num_tokens * plan.width + (num_experts * (pad - 1) if pad else 0)  # rows permute can fill
         # One row more than permute can fill: row `bound` is always zero, the source of empty slots.
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=bound + 1,
                           topk=topk, check_routing=False)
-        routed = res.row_id_map.segment_counts.long().view(world, local)
+        segment_counts = res.row_id_map.segment_counts.long().view(world, local)
         segment_offsets = res.row_id_map.segment_offsets[:num_experts].long().view(world, local)
         # Per destination, the first `capacity` rows in (local expert, token) order fit.
-        fit = (capacity - _exclusive_cumsum(routed, 1)).clamp(min=0).minimum(routed)
+        fit = (capacity - _exclusive_cumsum(segment_counts, 1)).clamp(min=0).minimum(segment_counts)
+        routed = segment_counts.sum(1, keepdim=True)
         column = torch.full((world, 1), bound, dtype=torch.int64, device=device)
         sizes = torch.cat([fit, capacity - fit.sum(1, keepdim=True)], 1).flatten()
         starts = torch.cat([segment_offsets, column], 1).flatten()
@@ -416,16 +452,18 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         slot_starts = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(fit, 1)
         offsets = torch.cat([slot_starts.flatten(), torch.full((1,), world * capacity, device=device)])
         send_map = _send_row_map(res.row_id_map, slot_of_row, offsets, fit.flatten(), world * capacity)
-    # What each source sends here (kept, routed) per local expert, and its routing check: one small all-to-all.
+    # What each source sends here (kept rows per local expert, routed rows) and its routing check:
+    # one small all-to-all.
     bad = _bad_routes(ops, routing, num_experts, plan.width) if check else routed.new_zeros(1)
-    counts_in = torch.empty((world, 2 * local + 1), dtype=torch.int64, device=device)
-    dist.all_to_all_single(counts_in, torch.cat([fit, routed, bad.expand(world, 1)], 1), group=group)
+    counts_in = torch.empty((world, local + 2), dtype=torch.int64, device=device)
+    dist.all_to_all_single(counts_in, torch.cat([fit, routed.expand(world, 1), bad.expand(world, 1)], 1),
+                           group=group)
     if check:
         bad_per_source = counts_in[:, -1].tolist()  # check_routing's host read
         if any(bad_per_source):
             _raise_bad_routing(ops, routing, num_experts, plan.width, bad_per_source, dist.get_rank(group))
-    kept, routed_in = counts_in[:, :local], counts_in[:, local:2 * local]
-    return res, send_map, pack_rows, kept, (routed_in - kept).sum(1)
+    kept = counts_in[:, :local]
+    return res, send_map, pack_rows, kept, counts_in[:, local] - kept.sum(1)
 
 
 def run_combine(ops, expert_out, handle, merging_probs=None):

@@ -426,12 +426,23 @@ def check_no_host_sync(mod, group, world, me):
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in caught)
 
+    def no_syncs(fn, what):
+        """fn() under set_sync_debug_mode("error"): a synchronising call raises where it is made."""
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        except RuntimeError as e:
+            raise AssertionError(f"{what} synchronised with the host:\n{traceback.format_exc()}") from e
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
     capacity = dict(recv_capacity=case.capacity)
     args = leaves(*inputs[me])
-    step(*args, **capacity)  # compile and warm up
-    step(*args)
-    torch.cuda.synchronize()
-    assert syncs(lambda: step(*args, **capacity)) == 0, "capacity mode synchronised with the host"
+    for _ in range(2):  # compile and warm up
+        step(*args, **capacity)
+        step(*args)
+    no_syncs(lambda: step(*args, **capacity), "capacity mode")
     res = mod.dispatch(*args, **kw)
     torch.cuda.synchronize()
     assert syncs(lambda: mod.dispatch(*args, **kw)) == 1, "dropless dispatch: not exactly one host read"
@@ -442,7 +453,7 @@ def check_no_host_sync(mod, group, world, me):
         if wanted:
             torch.autograd.grad([out.float().sum()] + ([res.tokens.float().sum()] if differentiable else []), wanted)
 
-    assert syncs(dropless_rest) == 0, "dropless combine or a backward pass synchronised with the host"
+    no_syncs(dropless_rest, "dropless combine or a backward pass")
     # One CUDA graph of dispatch -> experts -> combine -> backward, replayed on new inputs.
     static = leaves(*inputs[me])
     stream = torch.cuda.Stream()
