@@ -172,8 +172,9 @@ def prob_columns_name(variant: dict) -> str:
 
 
 def check_permute(variant: dict, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
-                  check_routing) -> PermutePlan:
-    """Check permute's arguments against the variant; return its sizes."""
+                  check_routing, num_experts_from_ids=False) -> PermutePlan:
+    """Check permute's arguments against the variant; return its sizes. num_experts_from_ids: index
+    routing without num_experts is allowed, and the plan's num_experts is None (read from the ids)."""
     torch = _torch()
     where = variant["name"]
     check_tensor(variant, "tokens", tokens, (None, None), (token_dtype(variant),), None)
@@ -189,9 +190,9 @@ def check_permute(variant: dict, tokens, routing, probs, scale, num_experts, num
         num_experts = routing.shape[1]
     else:
         check_tensor(variant, "routing", routing, (num_tokens, None), (torch.int32, torch.int64), device)
-        if num_experts is None:
+        if num_experts is None and not num_experts_from_ids:
             raise ValueError(f"{where}: index routing needs num_experts")
-    if not _is_int(num_experts) or num_experts < 1:
+    if (num_experts is not None or variant["routing"] == "mask") and (not _is_int(num_experts) or num_experts < 1):
         raise ValueError(f"{where}: num_experts must be a positive int, got {num_experts!r}")
     if num_out_tokens is not None and (not _is_int(num_out_tokens) or not 0 <= num_out_tokens < MAX_ROWS):
         raise ValueError(f"{where}: num_out_tokens must be an int in [0, 2**31 - 1), got {num_out_tokens!r}")
@@ -239,7 +240,17 @@ def routing_error(variant: dict, routing, num_experts: int, width: int) -> Optio
     if routing.numel() == 0:
         return None
     if variant["routing"] == "mask":
-        routes = int((routing != 0).sum(1).max())
+        torch = _torch()
+        if routing.dtype == torch.bool:
+            routes = int(routing.sum(1).max())
+        else:
+            routes, low, high = torch.stack(((routing != 0).sum(1).max(), routing.min().long(),
+                                             routing.max().long())).tolist()
+            if low < 0 or high > 1:
+                looks = (f"[N, k] expert ids (index routing, k = {routing.shape[1]}): use map_type='index' or an "
+                         f"index variant" if low >= -1 else "neither a mask nor expert ids")
+                return (f"an integer routing mask must hold only 0 and 1, found values in [{low}, {high}]; this looks "
+                        f"like {looks}")
         if routes > width:
             return f"a token is routed to {routes} experts, more than topk={width}"
         return None
@@ -247,6 +258,27 @@ def routing_error(variant: dict, routing, num_experts: int, width: int) -> Optio
     if low < -1 or high >= num_experts:
         return f"expert ids must be in [0, {num_experts}) or -1 for no route; found ids in [{low}, {high}]"
     return None
+
+
+def write_route_tallies(variant: dict, routing, row_map, num_tokens: int, width: int, num_experts: int):
+    """Write the row map's route tallies (permgen.results.RowIdMap.dropped) with torch ops, for a
+    target whose kernels do not count them: routes dropped (slotted routes past the row cap, and
+    the routes without a slot), then those without a slot."""
+    torch = _torch()
+    from .results import route_words
+
+    table = route_words(variant["routing"] == "mask", num_tokens, width)
+    kept = row_map[table + num_experts + 1:table + 2 * num_experts + 1].sum()
+    if variant["routing"] == "mask":
+        routes = (routing != 0).sum(1)
+        slotted = routes.clamp(max=width)
+        unslotted = (routes - slotted).sum()
+        slotted = slotted.sum()
+    else:
+        slotted = ((routing >= 0) & (routing < num_experts)).sum()
+        unslotted = ((routing < -1) | (routing >= num_experts)).sum()
+    row_map[table + 2 * num_experts + 1:table + 2 * num_experts + 3] = torch.stack(
+        (slotted - kept + unslotted, unslotted)).to(torch.int32)
 
 
 def check_unpermute(variant: dict, permuted, row_id_map, merging_probs, restore_shape, row_map_type):

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import neuron_ops
-from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype, scale_kind
+from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype, scale_kind, write_route_tallies
 from .ops import chunk_table
 from .results import RowIdMap, row_map_words
 
@@ -155,6 +155,7 @@ class NkiBackend:
         if num_tokens * width >= MAX_ROWS:
             raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} routes, got N * W = "
                              f"{num_tokens * width}")
+        routing_given = routing  # for the route tallies, which count the ids outside [-1, E)
         if self.mask:
             routing = (routing != 0).to(torch.int32)
         else:  # ids outside [0, E) route nowhere; clamping keeps them outside while fitting int32
@@ -192,6 +193,7 @@ class NkiBackend:
         spare = row_map_words(self.mask, num_tokens, width, num_experts) - row_map.shape[0]
         if spare:  # an index map is allocated as whole rows (permgen.results.row_map_words)
             row_map = torch.cat((row_map, row_map.new_zeros(spare)))
+        write_route_tallies(self.variant, routing_given, row_map, num_tokens, width, num_experts)
         return out, out_probs, out_scale, tokens_per_expert.reshape(-1).to(torch.int64), row_map, num_rows
 
     def _sum_routes(self, row_id_map, rows_in):

@@ -122,6 +122,20 @@ def chunk_table(split_sizes, sorted_idxs):
     return table.to(torch.int32)
 
 
+# Index routing's expert count read from the ids is at most this: a larger id is more likely a bug
+# than an expert, and would size the routing plan by it.
+MAX_EXPERTS_FROM_IDS = 1 << 16
+
+
+def experts_from_ids(where, routing) -> int:
+    """max id + 1 of index routing (at least 1): one host sync."""
+    high = int(routing.max()) if routing.numel() else 0
+    if high >= MAX_EXPERTS_FROM_IDS:
+        raise ValueError(f"{where}: the routing holds expert id {high}; with no expert count given the ids "
+                         f"must be below {MAX_EXPERTS_FROM_IDS} (pass num_experts)")
+    return max(high + 1, 1)
+
+
 def _define_op(qualname, impl, schema):
     return torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
 
@@ -147,6 +161,8 @@ class Ops:
     # -- the work, shared by the direct path and the ops -------------------------------------------
 
     def _run_permute(self, plan, tokens, routing, probs, scale):
+        if plan.num_experts is None:
+            plan = plan._replace(num_experts=experts_from_ids(self.name, routing))
         if plan.check_routing:
             problem = routing_error(self.variant, routing, plan.num_experts, plan.width)
             if problem:
@@ -167,7 +183,7 @@ class Ops:
                                                                                "Tensor row_map"])
         defs = {
             "permute": (self._permute_impl, self._permute_fake,
-                        "(Tensor tokens, Tensor routing, Tensor? probs, Tensor? scale, SymInt num_experts, "
+                        "(Tensor tokens, Tensor routing, Tensor? probs, Tensor? scale, SymInt? num_experts, "
                         f"SymInt width, SymInt? num_out_tokens, bool check_routing) -> ({permute_returns})"),
             "unpermute": (self._unpermute_impl, self._unpermute_fake,
                           f"(Tensor permuted, Tensor row_map, Tensor? merging_probs, {sizes}) -> Tensor"),
@@ -238,6 +254,8 @@ class Ops:
         num_rows = num_out_tokens
         if num_rows is None:  # the rows the routes need: known only once the routing is read
             num_rows = torch.library.get_ctx().new_dynamic_size()
+        if num_experts is None:  # index routing's max id + 1, read from the ids
+            num_experts = torch.library.get_ctx().new_dynamic_size(min=1)
         out = tokens.new_empty((num_rows, hidden), dtype=out_dtype(self.variant))
         out_probs = None if probs is None else probs.new_empty((num_rows,))
         out_scale = None
@@ -249,9 +267,9 @@ class Ops:
 
     def _permute_setup(self, ctx, inputs, output):
         ctx.calls = self.op
-        tokens, routing, probs, _, num_experts, width, _, _ = inputs
+        tokens, routing, probs, _, _, width, _, _ = inputs
         ctx.save_for_backward(output[-1])
-        ctx.sizes = (tokens.shape[0], width, num_experts, output[0].shape[0])
+        ctx.sizes = (tokens.shape[0], width, output[-2].shape[0], output[0].shape[0])  # [-2]: tokens_per_expert [E]
         ctx.probs_meta = None if probs is None else (probs.shape[1], probs.dtype)
         # fp8 rows are quantised data, never differentiated: autograd would cast their grads to fp8.
         # Quantising variants' token grads are unpermute(grad_rows, row_id_map), the straight-through sum.
@@ -448,7 +466,7 @@ class Ops:
     # -- the public functions ----------------------------------------------------------------------
 
     def permute(self, tokens, routing, probs=None, scale=None, *, num_experts=None, num_out_tokens=None, topk=None,
-                check_routing=None) -> PermuteResult:
+                check_routing=None, num_experts_from_ids=False) -> PermuteResult:
         """Move each token to the rows of the experts it is routed to (expert-major, stable).
 
         tokens [N, H] in the variant's dtype; routing: a [N, E] bool/integer mask (mask variants)
@@ -466,9 +484,15 @@ class Ops:
             past topk are dropped, or refused when check_routing is on).
         check_routing: verify the routing values (one host sync). Default: only when
             num_out_tokens is None (that call synchronises anyway).
+        num_experts_from_ids: index routing without num_experts takes max id + 1 as the expert
+            count (one host sync; under torch.compile a data-dependent size), as
+            TransformerEngine's index maps do.
+
+        PermuteResult.dropped counts, on the device, the routes dropped (past num_out_tokens, ids
+        outside [-1, E), routes past topk): permute never reads it back.
         """
         plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
-                             check_routing)
+                             check_routing, num_experts_from_ids)
         self.backend.check_device(tokens)
         calls = self._calls(tokens, probs)
         if calls is not None:
@@ -481,7 +505,8 @@ class Ops:
         else:
             out, out_probs, out_scale, tokens_per_expert, row_map, _ = self._run_permute(
                 plan, tokens, routing, probs, scale)
-        row_id_map = self._row_id_map(row_map, plan.num_tokens, plan.width, plan.num_experts, out.shape[0], routing)
+        num_experts = plan.num_experts if plan.num_experts is not None else tokens_per_expert.shape[0]
+        row_id_map = self._row_id_map(row_map, plan.num_tokens, plan.width, num_experts, out.shape[0], routing)
         return PermuteResult(out, out_probs, out_scale, row_id_map, tokens_per_expert)
 
     def unpermute(self, permuted, row_id_map, merging_probs=None, restore_shape=None):

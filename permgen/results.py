@@ -11,15 +11,19 @@ def route_words(mask: bool, num_tokens: int, width: int) -> int:
     return (2 * width + 1) * num_tokens if mask else width * num_tokens
 
 
+ROUTE_TALLIES = 2  # words after the segment table: routes dropped, routes without a slot
+
+
 def row_map_words(mask: bool, num_tokens: int, width: int, num_experts: int) -> int:
-    """Words permute allocates for a row map. An index map is allocated as whole rows of W words,
-    [N + 2E + 1, W], so that N, W and E can be read back from its shape given N (TransformerEngine's
-    moe_unpermute gets a tensor and restore_shape); the words after the segment table are never
-    read. A mask map is exactly [N + 1, 2E + 1] words when W = E."""
-    table = 2 * num_experts + 1
-    if mask or width == 0:
-        return route_words(mask, num_tokens, width) + table
-    return (num_tokens + table) * width
+    """Words permute allocates for a row map: whole rows, so that TransformerEngine's functions
+    (permgen.te) can read the sizes back from a 2-D view. A mask map is [N + ceil((2E + 3) / (2W + 1)),
+    2W + 1] words ([N + 2, 2E + 1] when W = E), an index map [N + 2E + 3, W]; the words after the
+    route tallies are never read."""
+    tail = 2 * num_experts + 1 + ROUTE_TALLIES
+    if mask:
+        row = 2 * width + 1
+        return (num_tokens + -(-tail // row)) * row
+    return (num_tokens + tail) * max(width, 1)
 
 
 class RowIdMap(NamedTuple):
@@ -36,6 +40,9 @@ class RowIdMap(NamedTuple):
                                 the count)
         segment offsets [E + 1] first row of each expert's segment; [E] = rows in use
         segment counts  [E]     routed (non-pad) rows at the start of each segment
+        route tallies   [2]     routes dropped (past the row cap, or without a slot), and of
+                                them those without a slot: ids outside [-1, E) for index
+                                routing, routes past a token's first W for mask routing
 
     W is the routing's k for index routing; for mask routing it is permute's `topk` hint, or E.
     Words after the segment table, if any (see row_map_words), are never read.
@@ -87,6 +94,18 @@ class RowIdMap(NamedTuple):
         return self._part(route_words(self.is_mask, self.num_tokens, self.width) + self.num_experts + 1,
                           self.num_experts)
 
+    @property
+    def dropped(self) -> torch.Tensor:
+        """int32 0-d on the device: the routes permute dropped, past the row cap or without a slot.
+        Read it when you want; permute never does (no host sync)."""
+        return self.row_map[route_words(self.is_mask, self.num_tokens, self.width) + 2 * self.num_experts + 1]
+
+    @property
+    def unslotted(self) -> torch.Tensor:
+        """int32 0-d on the device: the dropped routes that had no slot (index routing: ids outside
+        [-1, E); mask routing: routes past a token's first W, the topk hint)."""
+        return self.row_map[route_words(self.is_mask, self.num_tokens, self.width) + 2 * self.num_experts + 2]
+
     def rows_by_column(self) -> torch.Tensor:
         """int64 [N, columns of the routing]: the row of route (token, column), -1 where none lands.
 
@@ -108,3 +127,9 @@ class PermuteResult(NamedTuple):
     scale: Optional[torch.Tensor]  # [M, S]: each row's scales, or None (variant without scales)
     row_id_map: RowIdMap
     tokens_per_expert: torch.Tensor  # int64 [E] on the device: rows of each segment, padding included
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        """int32 0-d on the device: routes dropped, past num_out_tokens or without a slot (see
+        RowIdMap.dropped); a view of the row map, so reading it is the only sync."""
+        return self.row_id_map.dropped

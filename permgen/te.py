@@ -3,41 +3,75 @@
     from permgen import moe_permute, moe_permute_with_probs, moe_unpermute   # instead of
     from transformer_engine.pytorch import moe_permute, ...                  # this
 
-Same function names, arguments and return structures as `transformer_engine.pytorch.permutation`.
-Each call picks the generated variant for the input's dtype, the map type, whether probs are
-permuted and the alignment; when none is generated, the registry's LookupError names the
-`[[variant]]` to add to variants.toml. The functions are differentiable and trace under
-`torch.compile(fullgraph=True)` (the variants' ops are torch.library custom ops).
+Same function names, arguments, semantics and return structures as
+`transformer_engine.pytorch.permutation`. Each call picks the generated variant for the input's
+dtype, the map type, whether probs are permuted and the alignment; when none is generated, the
+registry's LookupError names the `[[variant]]` to add to variants.toml. The functions are
+differentiable and trace under `torch.compile(fullgraph=True)` (the variants' ops are torch.library
+custom ops).
 
-`row_id_map` is an int32 tensor, as in TE, but it holds permgen's row map (permgen.results):
-    mask maps   [N + 1, 2E + 1]  the row map of a permute without a topk hint, viewed 2-D; the
-                                 shape gives N and E (TE's mask row_id_map is [N, 2E + 1])
-    index maps  [N + 2E + 1, k]  the row map as it is allocated (permgen.results.row_map_words);
-                                 the shape gives k, and N (from merging_probs [N, k] or
-                                 restore_shape, as TE takes it) gives E
-Pass it only to this module's moe_unpermute. The README's "Coming from TransformerEngine" lists
-every remaining difference.
+`row_id_map` is an int32 tensor, as in TE, but it holds permgen's row map (permgen.results), shaped
+so that moe_unpermute reads every size it needs from it, whatever arguments it is given:
+    mask maps    [N + 2, 2E + 1]           the row map, viewed 2-D
+    padded maps  [align_size, N + 2, 2E + 1]  the same, broadcast over a first dimension of
+                                           align_size (stride 0: no memory), which carries the
+                                           alignment to moe_unpermute
+    index maps   [N + 1, N + 2E + 3, k]    the row map viewed [N + 2E + 3, k], broadcast over a
+                                           first dimension of N + 1 (stride 0): N without
+                                           merging_probs or restore_shape
+Pass it only to this module's moe_unpermute; it is never copied (.contiguous() would materialise
+the broadcast). The README's "Coming from TransformerEngine" lists what remains different.
+
+Dropped routes (past num_out_tokens, or index ids outside [-1, E)) are counted on the device, in
+the row map; TE's return tuples have no place for the count, so `check_routes_on_device(True)`
+makes every permute here assert on the device, asynchronously, that no id was out of range.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
 from .contract import AXES, TOKEN_DTYPE_NAMES
 from .registry import get_kernel, variants
+from .results import RowIdMap
 
 # torch dtype -> the dtype axis of the variants that move it
 _DTYPES = {getattr(torch, name): axis for axis, name in TOKEN_DTYPE_NAMES.items()}
 _MAP_TYPES = ("mask", "index")
+# What the variants call the arguments, and what TE's functions call them.
+_ARGUMENT_NAMES = (("tokens", "inp"), ("routing", "routing_map"), ("permuted", "inp"))
 
 
-def _dtype_axis(t: torch.Tensor) -> str:
+def _te_errors(fn):
+    """Errors raised by the variant a TE function runs name the TE function and its arguments: the
+    user never chose the variant. (The registry's LookupError, which names the variant to add, and
+    errors raised inside a compiled graph keep their words.)"""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as error:
+            where, sep, message = str(error).partition(": ")
+            if not sep or where not in _VARIANT_NAMES:
+                raise
+            for ours, theirs in _ARGUMENT_NAMES:
+                if message.startswith(ours + " "):
+                    message = theirs + message[len(ours):]
+            raise type(error)(f"{name}: {message} (variant {where})") from None
+
+    return call
+
+
+def _dtype_axis(t: torch.Tensor, where: str) -> str:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"inp must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{where}: inp must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _DTYPES:
-        raise TypeError(f"inp has dtype {t.dtype}; the variants move {', '.join(map(str, _DTYPES))}")
+        raise TypeError(f"{where}: inp has dtype {t.dtype}; the variants move {', '.join(map(str, _DTYPES))}")
     return _DTYPES[t.dtype]
 
 
@@ -59,6 +93,8 @@ def _load_modules() -> dict:
 
 
 _MODULES = _load_modules()
+_VARIANT_NAMES = frozenset(variants())
+_VARIANT_PADS = {name: v["pad"] for name, v in variants().items()}
 
 
 def _module(dtype: str, routing: str, probs: bool, pad: int):
@@ -69,141 +105,170 @@ def _module(dtype: str, routing: str, probs: bool, pad: int):
     return mod
 
 
-def _unpermute_module(dtype: str, routing: str, merging: bool, padded: bool, align_size):
+def _unpermute_module(dtype: str, routing: str, merging: bool, pad: int):
     """The module whose unpermute reads the row map: any variant with the same map type, dtype and
     padding lays rows out the same way; merging_probs need one with probs. A padded row map needs
     the variant's pad: its backward pass zeroes the pad rows."""
-    pad = 0
-    if padded:
-        pads = sorted({p for (d, r, probs, p) in _MODULES
-                       if p and d == dtype and r == routing and (probs or not merging)})
-        if align_size is not None:
-            pads = [align_size]
-        if len(pads) != 1:
-            raise ValueError(f"pad_offsets given: {'several' if pads else 'no'} padded {dtype} {routing} variants "
-                             f"({pads}); pass align_size= the align_size given to moe_permute_and_pad_with_probs")
-        pad = pads[0]
     if not merging and (dtype, routing, False, pad) in _MODULES:
         return _MODULES[(dtype, routing, False, pad)]
     return _module(dtype, routing, True, pad)  # a variant with probs also sums without merging_probs
 
 
-def _cap(num_out_tokens, map_type):
-    """TE's num_out_tokens: -1 keeps every route (index maps: any value <= 0, as TE's index path)."""
+def _rows_kept(num_out_tokens, map_type, where, num_routes):
+    """TE's num_out_tokens as permgen's row cap. Mask maps: below 0 (or None) keeps every route;
+    index maps: 0 or below gives N * k rows, as TE's. A tensor (Megatron passes its counts' sum) is
+    read back."""
+    if isinstance(num_out_tokens, torch.Tensor) and num_out_tokens.numel() == 1 \
+            and not num_out_tokens.is_floating_point():
+        num_out_tokens = int(num_out_tokens)
+    if num_out_tokens is None:
+        num_out_tokens = -1
     if isinstance(num_out_tokens, bool) or not isinstance(num_out_tokens, int):
-        raise TypeError(f"num_out_tokens must be an int, got {num_out_tokens!r}")
-    if num_out_tokens < 0 or (map_type == "index" and num_out_tokens == 0):
-        return None
-    return num_out_tokens
+        raise TypeError(f"{where}: num_out_tokens must be an int, got {num_out_tokens!r}")
+    if map_type == "index":
+        return num_out_tokens if num_out_tokens > 0 else num_routes
+    return None if num_out_tokens < 0 else num_out_tokens
 
 
-def _num_experts(routing_map, num_experts):
-    """Index maps: TE takes no expert count; permgen's row map has one segment per expert."""
-    if num_experts is not None:
-        return num_experts
-    if torch.compiler.is_compiling():
-        raise ValueError("moe_permute(map_type='index') under torch.compile needs num_experts=E: without it the "
-                         "expert count is read from the routing map (a host sync)")
-    return int(routing_map.max()) + 1 if routing_map.numel() else 1
+_ROUTE_CHECKS = {"on_device": False}
 
 
-def _te_row_id_map(res, map_type):
+def check_routes_on_device(enabled: bool = True):
+    """Make every permute of this module assert on the device, asynchronously (no host sync), that
+    no index id was outside [-1, E): a bad id fails the next synchronising call (on the CPU: the
+    permute) with a device-side assertion. Off by default; the count is always in the row map."""
+    _ROUTE_CHECKS["on_device"] = bool(enabled)
+
+
+def _te_row_id_map(res, map_type, where):
     rim = res.row_id_map
-    if map_type == "mask":
-        return rim.row_map.view(rim.num_tokens + 1, 2 * rim.num_experts + 1)
-    return rim.row_map.view(-1, rim.width)
+    if map_type == "index":
+        rows = rim.row_map.view(-1, rim.width)
+        if _ROUTE_CHECKS["on_device"]:
+            torch._assert_async(rim.unslotted == 0, f"{where}: routing_map holds expert ids outside [-1, E)")
+        return rows.expand(rim.num_tokens + 1, -1, -1)
+    rows = rim.row_map.view(-1, 2 * rim.num_experts + 1)
+    pad = _VARIANT_PADS[rim.variant]
+    return rows.expand(pad, -1, -1) if pad else rows
 
 
-def _permute(inp, routing_map, probs, num_out_tokens, map_type, pad=0, num_experts=None):
-    dtype = _dtype_axis(inp)
+def _permute(where, inp, routing_map, probs, num_out_tokens, map_type, pad=0):
+    dtype = _dtype_axis(inp, where)
     _check_map_type(map_type)
     mod = _module(dtype, map_type, probs is not None, pad)
     if map_type == "index":
-        num_experts = _num_experts(routing_map, num_experts)
-    return mod.permute(inp, routing_map, probs, num_experts=num_experts,
-                       num_out_tokens=_cap(num_out_tokens, map_type))
+        if not isinstance(routing_map, torch.Tensor) or routing_map.dim() != 2:
+            raise ValueError(f"{where}: routing_map of an index map must be [N, k] expert ids, got "
+                             f"{getattr(routing_map, 'shape', type(routing_map).__name__)}")
+        cap = _rows_kept(num_out_tokens, map_type, where, routing_map.shape[0] * routing_map.shape[1])
+        return mod.permute(inp, routing_map, probs, num_out_tokens=cap, num_experts_from_ids=True)
+    return mod.permute(inp, routing_map, probs, num_out_tokens=_rows_kept(num_out_tokens, map_type, where, None))
 
 
-def moe_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1, map_type="mask", *, num_experts=None):
+@_te_errors
+def moe_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1, map_type="mask"):
     """Permute the tokens by the routing map: rows grouped by expert, ascending token within one.
 
-    inp [N, H]; routing_map: [N, E] mask (bool or integer, nonzero = routed) for map_type 'mask',
-    [N, k] expert ids (int32/int64) for 'index'. num_out_tokens: rows to keep (-1: all routes);
-    the routes past it are dropped. max_token_num: TE's workspace hint, unused (no workspace).
-    num_experts (permgen, index maps only): the expert count; without it, max id + 1 is read from
-    the routing map, which torch.compile cannot trace.
-    Returns (output [num_out_tokens, H], row_id_map)."""
+    inp [N, H]; routing_map: [N, E] mask (bool, or integer 0 / 1) for map_type 'mask', [N, k] expert
+    ids (int32 / int64) for 'index'. num_out_tokens: rows to keep; mask maps: -1 (or None) keeps
+    every route; index maps: 0 or -1 gives N * k rows. The routes past it are dropped (counted in
+    the row map). max_token_num: TE's workspace hint, unused (no workspace).
+    Returns (output [rows, H], row_id_map)."""
     if isinstance(max_token_num, bool) or not isinstance(max_token_num, int):
-        raise TypeError(f"max_token_num must be an int, got {max_token_num!r}")
-    res = _permute(inp, routing_map, None, num_out_tokens, map_type, num_experts=num_experts)
-    return res.tokens, _te_row_id_map(res, map_type)
+        raise TypeError(f"moe_permute: max_token_num must be an int, got {max_token_num!r}")
+    res = _permute("moe_permute", inp, routing_map, None, num_out_tokens, map_type)
+    return res.tokens, _te_row_id_map(res, map_type, "moe_permute")
 
 
+@_te_errors
 def moe_permute_with_probs(inp, probs, routing_map, num_out_tokens=-1):
     """Permute tokens and their probs by a [N, E] routing mask.
 
     probs [N, E]: each row's prob moves with it. Returns (output, permuted_probs [rows], row_id_map)."""
-    res = _permute(inp, routing_map, probs, num_out_tokens, "mask")
-    return res.tokens, res.probs, _te_row_id_map(res, "mask")
+    res = _permute("moe_permute_with_probs", inp, routing_map, probs, num_out_tokens, "mask")
+    return res.tokens, res.probs, _te_row_id_map(res, "mask", "moe_permute_with_probs")
 
 
+@_te_errors
 def moe_permute_and_pad_with_probs(inp, probs, routing_map, tokens_per_expert, align_size):
     """moe_permute_with_probs with each expert's rows padded to a multiple of align_size (zero rows).
 
     tokens_per_expert [E]: the routes of each expert (as TE, used for pad_offsets; the rows come
     from the routing map). Returns (output, permuted_probs, row_id_map, pad_offsets [E] int64:
-    the pad rows before each expert's segment, padded_tokens_per_expert [E] int64)."""
+    the pad rows before each expert's segment, padded_tokens_per_expert [E] int64). The row map
+    carries the alignment: moe_unpermute needs no pad_offsets (it accepts them)."""
+    where = "moe_permute_and_pad_with_probs"
     if not isinstance(tokens_per_expert, torch.Tensor):
-        raise TypeError(f"tokens_per_expert must be a tensor [E], got {type(tokens_per_expert).__name__}")
-    res = _permute(inp, routing_map, probs, -1, "mask", pad=align_size)
+        raise TypeError(f"{where}: tokens_per_expert must be a tensor [E], got {type(tokens_per_expert).__name__}")
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0:
+        raise ValueError(f"{where}: align_size must be a positive int, got {align_size!r}")
+    res = _permute(where, inp, routing_map, probs, -1, "mask", pad=align_size)
     padded = res.tokens_per_expert
     pad_rows = padded - tokens_per_expert.to(device=padded.device, dtype=padded.dtype)
     pad_offsets = torch.cumsum(pad_rows, 0) - pad_rows
-    return res.tokens, res.probs, _te_row_id_map(res, "mask"), pad_offsets, padded
+    return res.tokens, res.probs, _te_row_id_map(res, "mask", where), pad_offsets, padded
 
 
+def _row_id_map_sizes(row_id_map, map_type):
+    """(row map [words], N, W, E, pad) from a row_id_map of this module's permute functions."""
+    where = "moe_unpermute"
+    if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32:
+        raise TypeError(f"{where}: row_id_map must be the int32 tensor returned by permgen's moe_permute functions")
+    shape = row_id_map.shape
+    if map_type == "index":
+        if row_id_map.dim() != 3:
+            raise ValueError(f"{where}: row_id_map of an index map is [N + 1, N + 2E + 3, k], got {list(shape)} "
+                             "(is map_type the one given to moe_permute?)")
+        num_tokens, width = shape[0] - 1, shape[2]
+        num_experts = (shape[1] - num_tokens - 3) // 2
+        return row_id_map[0].reshape(-1), num_tokens, width, num_experts, 0
+    if row_id_map.dim() not in (2, 3) or shape[-1] % 2 == 0:
+        raise ValueError(f"{where}: row_id_map of a mask map is [N + 2, 2E + 1] ([align_size, N + 2, 2E + 1] "
+                         f"padded), got {list(shape)} (is map_type the one given to moe_permute?)")
+    pad = shape[0] if row_id_map.dim() == 3 else 0
+    rows = row_id_map[0] if pad else row_id_map
+    num_experts = (shape[-1] - 1) // 2
+    return rows.reshape(-1), shape[-2] - 2, num_experts, num_experts, pad
+
+
+@_te_errors
 def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask", probs=None,
-                  pad_offsets=None, *, align_size=None):
+                  pad_offsets=None):
     """Sum each token's permuted rows back into one row, weighted by merging_probs when given.
 
     inp [rows, H]: the experts' outputs in permuted order (fewer rows than permute made: the routes
     to the rows past them count as dropped); row_id_map: from this module's permute functions;
-    merging_probs: [N, E] (mask) / [N, k] (index) probs or None (plain sum); restore_shape: (N, H),
-    checked; index maps without merging_probs need it for N; probs: TE's old name of merging_probs;
-    pad_offsets: from moe_permute_and_pad_with_probs (selects the padded variant); align_size
-    (permgen): which padded variant, when several are generated. Returns [N, H], accumulated in fp32."""
+    merging_probs: [N, E] (mask) / [N, k] (index) probs, or None: a plain sum; probs: TE's old
+    name of merging_probs. restore_shape: (N, H), checked (mask maps; TE's index maps ignore it).
+    Index maps without merging_probs are TE's topK = 1 unpermute of the N * k routes: [N * k, H],
+    row s * N + t the row of token t's route s. pad_offsets: accepted (the row map of
+    moe_permute_and_pad_with_probs carries the alignment). Returns [N, H], accumulated in fp32."""
     if probs is not None:
         if merging_probs is not None:
             raise ValueError("Both merging_probs and probs kwarg are provided. probs is deprecated.")
         warnings.warn("probs kwarg is deprecated. Use merging_probs kwarg instead.")
         merging_probs = probs
-    dtype = _dtype_axis(inp)
+    dtype = _dtype_axis(inp, "moe_unpermute")
     _check_map_type(map_type)
-    if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32 or row_id_map.dim() != 2:
-        raise TypeError("row_id_map must be the 2-D int32 tensor returned by permgen's moe_permute functions")
-    mod = _unpermute_module(dtype, map_type, merging_probs is not None, pad_offsets is not None, align_size)
-    row_map = row_id_map.reshape(-1)
-    if map_type == "mask":
-        if row_id_map.shape[1] % 2 == 0:
-            raise ValueError(f"row_id_map of a mask map must be [N + 1, 2E + 1], got {list(row_id_map.shape)}")
-        num_tokens, num_experts = row_id_map.shape[0] - 1, (row_id_map.shape[1] - 1) // 2
-        width = columns = num_experts
-    else:
-        if merging_probs is not None:
-            num_tokens = merging_probs.shape[0]
-        elif restore_shape is not None:
-            num_tokens = restore_shape[0]
-        else:
-            raise ValueError("moe_unpermute(map_type='index') without merging_probs needs restore_shape=(N, H)")
-        width = columns = row_id_map.shape[1]
-        num_experts = (row_id_map.shape[0] - num_tokens - 1) // 2
-        if num_experts < 1 or num_tokens + 2 * num_experts + 1 != row_id_map.shape[0]:
-            raise ValueError(f"row_id_map is {list(row_id_map.shape)}, which no index map of {num_tokens} tokens has "
-                             f"([N + 2E + 1, k]); pass the merging_probs (or restore_shape) of its permute")
+    row_map, num_tokens, width, num_experts, pad = _row_id_map_sizes(row_id_map, map_type)
+    if pad_offsets is not None and not pad:
+        raise ValueError("moe_unpermute: pad_offsets given, but row_id_map comes from a permute without padding "
+                         "(pad_offsets are those of moe_permute_and_pad_with_probs)")
+    mod = _unpermute_module(dtype, map_type, merging_probs is not None, pad)
+    num_rows = inp.shape[0]
+    if map_type == "index" and merging_probs is None:
+        # TE: topK = 1 over the N * k routes. The row map of N * k tokens of one slot each has the
+        # same words, so the kernels sum one route per output row; TE's rows are slot-major.
+        rim = RowIdMap(row_map, row_map[:1].expand(num_tokens * width, 1), num_tokens * width, 1,
+                       num_experts, num_rows, mod.VARIANT["name"])
+        out = mod.unpermute(inp, rim)
+        if width == 1:
+            return out
+        return out.view(num_tokens, width, -1).transpose(0, 1).reshape(num_tokens * width, -1)
     # The routing columns only give the probs' shape to the checks: a view, no allocation.
-    routing = row_map[0].expand(num_tokens, columns)
-    rim = mod._ops._row_id_map(row_map, num_tokens, width, num_experts, inp.shape[0], routing)
-    return mod.unpermute(inp, rim, merging_probs, restore_shape)
+    routing = row_map[:1].expand(num_tokens, width)
+    rim = RowIdMap(row_map, routing, num_tokens, width, num_experts, num_rows, mod.VARIANT["name"])
+    return mod.unpermute(inp, rim, merging_probs, restore_shape if map_type == "mask" else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,8 +293,8 @@ def _load_chunk_sort_modules() -> dict:
 _CHUNK_SORT_MODULES = _load_chunk_sort_modules()
 
 
-def _chunk_sort_module(inp, with_probs: bool):
-    dtype = _dtype_axis(inp)
+def _chunk_sort_module(inp, with_probs: bool, where: str):
+    dtype = _dtype_axis(inp, where)
     mod = _CHUNK_SORT_MODULES.get((dtype, with_probs))
     if mod is None and not with_probs:  # a variant with probs sorts rows alone too
         mod = _CHUNK_SORT_MODULES.get((dtype, True))
@@ -238,17 +303,20 @@ def _chunk_sort_module(inp, with_probs: bool):
     return mod
 
 
-def moe_sort_chunks_by_index(inp, split_sizes, sorted_idxs):
+@_te_errors
+def moe_sort_chunks_by_index(inp, split_sizes, sorted_index):
     """Split inp's rows [N, H] into chunks of split_sizes (they sum to N) and concatenate the chunks
-    in the order of sorted_idxs. The generated chunk sort kernel of a variant with inp's dtype;
+    in the order of sorted_index. The generated chunk sort kernel of a variant with inp's dtype;
     differentiable. Returns output [N, H]."""
-    return _chunk_sort_module(inp, False).sort_chunks(inp, split_sizes, sorted_idxs)[0]
+    return _chunk_sort_module(inp, False, "moe_sort_chunks_by_index").sort_chunks(inp, split_sizes, sorted_index)[0]
 
 
-def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_idxs):
+@_te_errors
+def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index):
     """moe_sort_chunks_by_index, moving probs [N] with their rows. Returns (output, permuted_probs)."""
-    return _chunk_sort_module(inp, True).sort_chunks(inp, split_sizes, sorted_idxs, probs)
+    return _chunk_sort_module(inp, True, "moe_sort_chunks_by_index_with_probs").sort_chunks(
+        inp, split_sizes, sorted_index, probs)
 
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
-           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "check_routes_on_device"]

@@ -215,11 +215,12 @@ class TritonBackend:
         if self.mask:
             meta.update(EXPERT_CHUNK=max(1, min(e_pow2, 4096 // block_tokens)))
         else:
-            meta.update(BLOCK_ROUTES=_pow2(block_tokens * width), BINS=_pow2(num_experts + 1))
+            meta.update(BLOCK_ROUTES=_pow2(block_tokens * width), BINS=_pow2(num_experts + 2))
         meta.update(CHUNK_BLOCKS=max(1, 8192 // e_pow2))
         if self.pad:
             meta.update(PAD=self.pad)
-        scratch_words = 1 + num_blocks * num_experts + (num_tokens * width if self.mask else 0)
+        # ticket, block counts, mask routing's ranks, block drops (see the routing kernel)
+        scratch_words = 1 + num_blocks * (num_experts + 1) + (num_tokens * width if self.mask else 0)
         return num_blocks, scratch_words, meta
 
     def _zero_programs(self, num_experts, num_rows, tail):

@@ -103,7 +103,7 @@ def test_mask_map_with_probs(dtype, cap, mode, request):
     ref_unpermuted = unpermute_ref(ref_out * 2, routes, N, p_r)
     assert_bits_equal(out, ref_out, "output")
     assert_bits_equal(permuted_probs, ref_probs, "permuted_probs")
-    assert row_id_map.dtype == torch.int32 and row_id_map.shape == (N + 1, 2 * E + 1)
+    assert row_id_map.dtype == torch.int32 and row_id_map.shape == (N + 2, 2 * E + 1)
     assert_close(unpermuted, ref_unpermuted, "unpermuted")
     check_grads((out, permuted_probs, unpermuted), (ref_out, ref_probs, ref_unpermuted), (inp, p), (inp_r, p_r), g)
 
@@ -143,17 +143,17 @@ def test_index_map(dtype, cap, mode, request):
     num_out_tokens = N * K * 2 // 3 if cap == "dropped" else -1
     if not generated(dtype, "index", False):
         with pytest.raises(LookupError, match=r"\[\[variant\]\]"):
-            permgen.moe_permute(tokens, ids, num_out_tokens, map_type="index", num_experts=E)
+            permgen.moe_permute(tokens, ids, num_out_tokens, map_type="index")
         return
 
     def layer(inp, p):
-        out, row_id_map = permgen.moe_permute(inp, ids, num_out_tokens, map_type="index", num_experts=E)
+        out, row_id_map = permgen.moe_permute(inp, ids, num_out_tokens, map_type="index")
         merged = permgen.moe_unpermute(out * 2, row_id_map, p, map_type="index")
-        summed = permgen.moe_unpermute(out, row_id_map, restore_shape=inp.shape, map_type="index")
-        return out, merged, summed
+        routes = permgen.moe_unpermute(out, row_id_map, map_type="index")  # TE: topK = 1 over the N * k routes
+        return out, merged, routes
 
     inp, p = leaf(tokens), leaf(probs)
-    out, merged, summed = compiled_if(mode, layer)(inp, p)
+    out, merged, routes = compiled_if(mode, layer)(inp, p)
     # The reference, from TE's definition: row r is token order[r] // k; unpermute adds each kept row back.
     inp_r, p_r = leaf(tokens), leaf(probs)
     order = te_index_order(ids, None if num_out_tokens < 0 else num_out_tokens)
@@ -161,11 +161,13 @@ def test_index_map(dtype, cap, mode, request):
     ref_out = inp_r[token]
     weights = p_r.reshape(-1)[order].float()[:, None]
     ref_merged = torch.zeros(N, H, device=DEVICE).index_add(0, token, (ref_out * 2).float() * weights).to(tokens.dtype)
-    ref_summed = torch.zeros(N, H, device=DEVICE).index_add(0, token, ref_out.float()).to(tokens.dtype)
+    # Without probs: row s * N + t is the row of token t's route s (zero where dropped).
+    slot_major = (order % K) * N + token
+    ref_routes = torch.zeros(N * K, H, device=DEVICE).index_add(0, slot_major, ref_out.float()).to(tokens.dtype)
     assert_bits_equal(out, ref_out, "output")
     assert_close(merged, ref_merged, "merged")
-    assert_close(summed, ref_summed, "summed")
-    check_grads((out, merged, summed), (ref_out, ref_merged, ref_summed), (inp, p), (inp_r, p_r), g)
+    assert_close(routes, ref_routes, "routes")
+    check_grads((out, merged, routes), (ref_out, ref_merged, ref_routes), (inp, p), (inp_r, p_r), g)
 
 
 def test_index_map_expert_count_from_the_routing(request):
@@ -174,14 +176,7 @@ def test_index_map_expert_count_from_the_routing(request):
     out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
     assert_bits_equal(out, tokens[te_index_order(ids, None) // K], "output")
     experts = int(ids.max()) + 1
-    assert row_id_map.shape == (N + 2 * experts + 1, K)
-
-
-def test_index_map_without_num_experts_does_not_compile(request):
-    tokens, ids, _ = inputs(generator_for(request), "bf16", columns=K)
-    run = torch.compile(lambda t: permgen.moe_permute(t, ids, map_type="index")[0], fullgraph=True, backend=BACKEND)
-    with pytest.raises(Exception, match="num_experts"):
-        run(tokens)
+    assert row_id_map.shape == (N + 1, N + 2 * experts + 3, K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +236,7 @@ def test_unpermute_of_fewer_rows_than_permute_made(map_type, request, guarded_em
     mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
     align = 128 if map_type == "padded" else 0
     if map_type == "index":
-        out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index", num_experts=E)
+        out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
         extra = dict(map_type="index")
     elif map_type == "mask":
         out, _, row_id_map = permgen.moe_permute_with_probs(tokens, probs, mask)
@@ -285,7 +280,7 @@ def test_empty_input(mode, request):
 
     out, permuted_probs, unpermuted = compiled_if(mode, layer)(tokens, probs)
     assert out.shape == (0, H) and permuted_probs.shape == (0,) and unpermuted.shape == (0, H)
-    index_out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index", num_experts=E)
+    index_out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
     assert index_out.shape == (0, H)
     merged = permgen.moe_unpermute(index_out, row_id_map, torch.rand(0, K, device=DEVICE), map_type="index")
     assert merged.shape == (0, H)
@@ -340,12 +335,11 @@ def test_bad_arguments(request):
     out, _, row_id_map = permgen.moe_permute_with_probs(tokens, probs, mask)
     with pytest.raises(ValueError, match="restore_shape"):
         permgen.moe_unpermute(out, row_id_map, probs, restore_shape=(N + 1, H))
-    with pytest.raises(TypeError, match="2-D int32"):
+    with pytest.raises(TypeError, match="moe_unpermute: row_id_map must be the int32 tensor"):
+        permgen.moe_unpermute(out, row_id_map.float())
+    with pytest.raises(ValueError, match=r"moe_unpermute: row_id_map of a mask map is \[N \+ 2, 2E \+ 1\]"):
         permgen.moe_unpermute(out, row_id_map.reshape(-1))
-    index_out, index_map = permgen.moe_permute(tokens, ids, map_type="index", num_experts=E)
-    assert index_map.shape == (N + 2 * E + 1, K)
-    with pytest.raises(ValueError, match="restore_shape"):
-        permgen.moe_unpermute(index_out, index_map, map_type="index")
-    # A token count that does not fit the map's shape cannot be mistaken for another map.
-    with pytest.raises(ValueError, match=r"\[N \+ 2E \+ 1, k\]"):
-        permgen.moe_unpermute(index_out, index_map, restore_shape=(N + 1, H), map_type="index")
+    index_out, index_map = permgen.moe_permute(tokens, ids, map_type="index")
+    assert index_map.shape == (N + 1, N + 2 * (int(ids.max()) + 1) + 3, K)
+    with pytest.raises(ValueError, match="is map_type the one given to moe_permute"):
+        permgen.moe_unpermute(index_out, index_map)
