@@ -17,9 +17,12 @@ $(VENV)/.generator-deps:
 	$(PY) -m pip install -q "jinja2>=3.1"
 	touch $@
 
+# megatron-core for tests/test_megatron.py: the newest release with a wheel for Python 3.11, without its
+# torch requirement (which would pull the CUDA build); its imports need only numpy and packaging.
 $(VENV)/.test-deps: pyproject.toml $(VENV)/.generator-deps
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "megatron-core==0.16.1"
 	touch $@
 
 generate: $(VENV)/.generator-deps

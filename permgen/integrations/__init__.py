@@ -1,0 +1,1 @@
+"""permgen inside other frameworks: `permgen.integrations.megatron` for megatron-core."""
