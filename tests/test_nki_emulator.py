@@ -11,8 +11,8 @@ import pytest
 
 from permgen import nki_emulator
 from permgen.nki_emulator import EmulatorError, jit, simulate
-from permgen.nki_emulator import isa as nisa
-from permgen.nki_emulator import language as nl
+from permgen.nki_emulator.api import isa as nisa  # what kernels see as nki.isa
+from permgen.nki_emulator.api import language as nl
 from permgen.nki_emulator.testing import nki_modules_restored
 
 
@@ -69,8 +69,31 @@ def test_tiles_need_a_free_axis():
 
 
 def test_psum_tile_fits_one_bank():
-    with pytest.raises(EmulatorError, match="exceeds one 2048-byte bank"):
+    """Tiling overview, Tile-Size Constraint#2: a PSUM tile's free size is at most psum_bank_fmax == 512
+    (elements, whatever the dtype); NeuronCore-v4's nc_matmul writes up to the whole PSUM, and no page
+    lets any other instruction use so wide a tile."""
+    with pytest.raises(EmulatorError, match="must not exceed one bank"):
         run(lambda: nl.ndarray((128, 513), dtype=nl.float32, buffer=nl.psum))
+    with pytest.raises(EmulatorError, match="must not exceed one bank"):
+        run(lambda: nl.ndarray((128, 1024), dtype=nl.bfloat16, buffer=nl.psum))
+    run(lambda a: [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum), a][1], np.zeros((1, 1), np.float32))
+
+    def wide(a, reads_it):
+        acc = nl.ndarray((1, 4096), dtype=nl.float32, buffer=nl.psum)
+        ones = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(ones, value=1.0)
+        moving = nl.ndarray((1, 4096), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(moving, value=2.0)
+        nisa.nc_matmul(dst=acc, stationary=ones, moving=moving)
+        if reads_it:
+            nisa.tensor_copy(dst=moving, src=acc)
+        return a
+    with nki_emulator.on(nki_emulator.Platform("trn3")):
+        run(lambda a: wide(a, False), np.zeros((1, 1), np.float32))
+        with pytest.raises(EmulatorError, match="wider than one bank.*not documented"):
+            run(lambda a: wide(a, True), np.zeros((1, 1), np.float32))
+    with pytest.raises(EmulatorError, match="must not exceed one bank"):
+        run(lambda a: wide(a, False), np.zeros((1, 1), np.float32))
 
 
 def test_psum_capacity_counts_live_tiles():
@@ -79,6 +102,23 @@ def test_psum_capacity_counts_live_tiles():
         return banks
     with pytest.raises(EmulatorError, match="psum exhausted"):
         run(body)
+
+
+@pytest.mark.parametrize("generation, kib", [("trn2", 224), ("trn3", 256)])
+def test_sbuf_holds_its_generations_bytes_per_partition(generation, kib):
+    """trainium2_arch: "NeuronCore-v3 SBUF capacity is 28MiB (or, 128 partitions of 224KiB)";
+    trainium3_arch: "The NeuronCore-v4 SBUF capacity is 32 MiB" (256 KiB per partition)."""
+    def fills(extra):
+        def body(a):
+            full = nl.ndarray((128, kib * 256), dtype=nl.float32, buffer=nl.sbuf)
+            more = [nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)] if extra else []
+            return [a, full, more][0]
+        return body
+    with nki_emulator.on(nki_emulator.Platform(generation)):
+        run(fills(False), np.zeros((1, 1), np.float32))
+        with pytest.raises(EmulatorError, match="sbuf exhausted"):
+            run(fills(True), np.zeros((1, 1), np.float32))
+        assert nl.tile_size.sbuf_size_bytes == kib * 1024 * 128
 
 
 def test_sbuf_capacity_counts_live_tiles_and_frees_dead_ones():
@@ -319,6 +359,144 @@ def test_matmul_layout_and_dtype_rules():
         run(lambda a, b: body(a, b, dst_shape=(2, 4)), np.zeros((2, 129), np.float32), np.zeros((2, 4), np.float32))
 
 
+@pytest.mark.parametrize("generation, dst_dtype, widest", [("trn2", nl.float32, 512), ("trn3", nl.float32, 4096),
+                                                         ("trn3", nl.bfloat16, 8192)])
+def test_matmul_moving_tile_limit_by_generation(generation, dst_dtype, widest):
+    """nki.isa.nc_matmul, "Tile size": the moving free size is at most 512 on NeuronCore-v2/v3; starting
+    NeuronCore-v4, 4096 for a float32 dst or 8192 for a bfloat16 dst."""
+    def body(a, columns):
+        ones = nl.ndarray((1, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(ones, value=1.0)
+        moving = nl.ndarray((1, columns), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(moving, value=1.0)
+        nisa.nc_matmul(dst=nl.ndarray((1, columns), dtype=dst_dtype, buffer=nl.psum), stationary=ones, moving=moving)
+        return a
+    a = np.zeros((1, 1), np.float32)
+    with nki_emulator.on(nki_emulator.Platform(generation)):
+        run(lambda a: body(a, widest), a)
+        with pytest.raises(EmulatorError, match=f"moving, <= {widest}|must not exceed one bank"):
+            run(lambda a: body(a, widest + 1), a)
+
+
+def test_tensors_have_the_documented_attributes():
+    """nki.language.NkiTensor documents shape, strides, offset, name, dtype, buffer, ndim and size, and no
+    itemsize."""
+    def body(a):
+        view = a[1:3, 2:4]
+        assert (view.shape, view.size, view.ndim, view.strides, view.offset) == ((2, 2), 4, 2, (5, 1), 7)
+        assert view.dtype == nl.float32 and view.buffer is nl.shared_hbm and a.get_pattern() == [[5, 3], [1, 5]]
+        assert a.is_contiguous() and not view.is_contiguous() and not a.is_indirect()
+        assert a.view(nl.uint8).shape == (3, 20) and a.reinterpret_cast(nl.int32).dtype == nl.int32
+        with pytest.raises(AttributeError):
+            a.itemsize
+        with pytest.raises(EmulatorError, match="NkiTensor.reshape is documented but not emulated"):
+            a.reshape((15,))
+        return copy_through_sbuf(a)
+    run(body, np.zeros((3, 5), np.float32))
+
+
+def test_vector_offset_indexes_dimension_0_through_software_dge():
+    """nki-aps: with vector_offset "only indirect_dim=0 is supported"; nki-dge: "the DGE mode is
+    constrained to swdge" (dge_mode unknown selects it)."""
+    def gather(a, dim=0, mode=nisa.dge_mode.unknown):
+        idx = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(idx, pattern=[[0, 1]], offset=0, channel_multiplier=2)
+        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=dim), dge_mode=mode)
+        out = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for mode in (nisa.dge_mode.unknown, nisa.dge_mode.swdge):
+        np.testing.assert_array_equal(run(lambda a: gather(a, mode=mode), a), a[[0, 2]])
+    for mode in (nisa.dge_mode.hwdge, nisa.dge_mode.none):
+        with pytest.raises(EmulatorError, match="constrained to swdge"):
+            run(lambda a: gather(a, mode=mode), a)
+    with pytest.raises(EmulatorError, match="only indirect_dim=0 is supported"):
+        run(lambda a: gather(a, dim=1), a)
+
+
+def test_int32_tensor_tensor_is_exact_on_gpsimd():
+    """nki.isa.tensor_tensor (2.29+): int32/uint32 tiles default to GpSimd's native integer arithmetic,
+    "exact results for all 32-bit integer values"; engine=vector, or an operand in PSUM, computes in fp32."""
+    def add(a, b, engine=nisa.engine.unknown, through_psum=False):
+        x = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
+        y = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.psum if through_psum else nl.sbuf)
+        nisa.dma_copy(dst=x, src=a)
+        if through_psum:
+            staged = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=staged, src=b)
+            nisa.tensor_copy(dst=y, src=staged)
+        else:
+            nisa.dma_copy(dst=y, src=b)
+        nisa.tensor_tensor(dst=x, data1=x, data2=y, op=nl.add, engine=engine)
+        out = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=x)
+        return out
+    a, b = np.array([[(1 << 24) + 1]], np.int32), np.array([[2]], np.int32)
+    assert run(add, a, b)[0, 0] == (1 << 24) + 3
+    assert run(lambda a, b: add(a, b, engine=nisa.engine.gpsimd), a, b)[0, 0] == (1 << 24) + 3
+    rounded = int(np.float32(np.float32((1 << 24) + 1) + np.float32(2)))
+    assert rounded != (1 << 24) + 3
+    assert run(lambda a, b: add(a, b, engine=nisa.engine.vector), a, b)[0, 0] == rounded
+    assert run(lambda a, b: add(a, b, through_psum=True), a, b)[0, 0] == rounded
+    with pytest.raises(EmulatorError, match="overflow is not documented"):
+        run(add, np.array([[2**31 - 1]], np.int32), b)
+
+
+def test_conversions_go_through_fp32():
+    """nki.isa.dma_copy: a conversion is "first casting from src.dtype to float32, then from float32 to
+    dst.dtype"; nki.isa.tensor_copy: bit-accurate for equal dtypes, an "intermediate FP32 cast" otherwise."""
+    def copies(a):
+        by_dma = nl.ndarray(a.shape, dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=by_dma, src=a)
+        same = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=same, src=a)
+        by_engine = nl.ndarray(a.shape, dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=by_engine, src=same)
+        exact = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=exact, src=same)
+        outs = []
+        for tile in (by_dma, by_engine, exact):
+            out = nl.ndarray(a.shape, dtype=tile.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=tile)
+            outs.append(out)
+        return tuple(outs)
+    a = np.array([[(1 << 24) + 1, 7]], np.int32)
+    by_dma, by_engine, exact = run(copies, a)
+    assert by_dma.tolist() == by_engine.tolist() == [[1 << 24, 7]] and exact.tolist() == a.tolist()
+
+
+def test_float8_e4m3fn_on_compute_engines_needs_neuroncore_v4():
+    """nc_matmul documents float8_e4m3fn "Starting NeuronCore-v4"; no page documents it on a NeuronCore-v3
+    compute engine (nki-library uses float8_e4m3 there). DMA moves any NKI dtype."""
+    def quantize(a, dtype):
+        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        q = nl.ndarray(a.shape, dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=q, src=t)
+        out = nl.ndarray(a.shape, dtype=dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=q)
+        return out
+    a = np.array([[1.5, -3.0]], np.float32)
+    assert run(lambda a: quantize(a, nl.float8_e4m3), a).astype(np.float32).tolist() == a.tolist()
+    with pytest.raises(EmulatorError, match="float8_e4m3fn on trn2 .*not documented"):
+        run(lambda a: quantize(a, nl.float8_e4m3fn), a)
+    np.testing.assert_array_equal(run(copy_through_sbuf, a.astype(ml_dtypes.float8_e4m3fn)), a.astype(ml_dtypes.float8_e4m3fn))
+    with nki_emulator.on(nki_emulator.Platform("trn3")):
+        assert run(lambda a: quantize(a, nl.float8_e4m3fn), a).astype(np.float32).tolist() == a.tolist()
+
+
+def test_tile_size_constants():
+    assert (nl.tile_size.pmax, nl.tile_size.psum_bank_fmax, nl.tile_size.gemm_stationary_fmax,
+            nl.tile_size.gemm_moving_fmax) == (128, 512, 128, 512)
+    with pytest.raises(EmulatorError, match="documented but not emulated"):
+        nl.tile_size.bn_stats_fmax
+    with nki_emulator.on(nki_emulator.Platform("trn3")):
+        with pytest.raises(EmulatorError, match="not documented"):
+            nl.tile_size.gemm_moving_fmax
+
+
 def test_bitvec_operators_need_integers():
     def body(a):
         f = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -405,7 +583,7 @@ def test_engines_round_to_the_destination_dtype():
 
 
 # --- collectives and the multi-rank driver -------------------------------------------------
-from permgen.nki_emulator import collectives as ncc  # noqa: E402
+from permgen.nki_emulator.api import collectives as ncc  # noqa: E402
 from permgen.nki_emulator import run_ranks  # noqa: E402
 
 
@@ -587,17 +765,27 @@ def test_dynamic_range_runs_a_device_loop_with_a_register_bound():
     assert runs[0].dynamic_iterations == 3 and runs[0].indirect_dmas == 0
 
 
-def test_scalar_offset_on_a_free_dimension_moves_by_its_step():
-    def body(a):
+def test_scalar_offset_scales_by_the_base_tensors_shape():
+    """nki-aps: the access starts at offset + scalar_offset * prod(A.shape[indirect_dim+1:]), "read from
+    the shape of the base tensor, not from the access pattern"; indirect_dim names a dimension of the
+    tensor."""
+    def column(a, dim, pattern):
         out = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.shared_hbm)
         col = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
         for j in nl.dynamic_range(2, 3):
-            nisa.dma_copy(dst=col, src=a.ap([[4, 2], [1, 1]], offset=0, scalar_offset=j, indirect_dim=1))
+            nisa.dma_copy(dst=col, src=a.ap(pattern, offset=0, scalar_offset=j, indirect_dim=dim))
         nisa.dma_copy(dst=out, src=col)
         return out
 
-    a = np.arange(8, dtype=np.int32).reshape(2, 4)
-    np.testing.assert_array_equal(run(body, a), a[:, 2:3])
+    a = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+    # indirect_dim=1 of a [2, 3, 4] tensor moves 4 elements per step (prod(shape[2:])), whatever the
+    # pattern's steps: start 2 * 4 = 8, then 12 apart.
+    np.testing.assert_array_equal(run(lambda a: column(a, 1, [[12, 2], [1, 1]]), a)[:, 0], [8, 20])
+    np.testing.assert_array_equal(run(lambda a: column(a, 2, [[12, 2], [1, 1]]), a)[:, 0], [2, 14])
+    flat = np.arange(8, dtype=np.int32)  # a 1-D tensor has one dimension: indirect_dim=1 names none
+    with pytest.raises(EmulatorError, match="indirect_dim 1 is not a dimension"):
+        run(lambda a: column(a, 1, [[4, 2], [1, 1]]), flat)
+    np.testing.assert_array_equal(run(lambda a: column(a, 0, [[4, 2], [1, 1]]), flat)[:, 0], [2, 6])
 
 
 def test_a_loop_register_is_not_a_python_int():

@@ -49,11 +49,10 @@ import functools
 import importlib.util
 import sys
 import threading
-import types
 
 import numpy as np
 
-from . import _core, _cores, collectives, isa, language
+from . import _core, _cores, api, collectives, isa, language
 from ._core import Cost, EmulatorError, Platform, Tensor
 from .collectives import run_ranks
 
@@ -229,15 +228,6 @@ def real_nki_available() -> bool:
     return importlib.util.find_spec("nki") is not None
 
 
-def _facade() -> types.ModuleType:
-    nki = types.ModuleType("nki", "NKI emulator (nki_emulator) registered as `nki`.")
-    nki.__nki_emulator__ = True
-    nki.__path__ = []  # a package, so `import nki.language` resolves through sys.modules
-    nki.jit, nki.simulate = jit, simulate
-    nki.language, nki.isa, nki.collectives = language, isa, collectives
-    return nki
-
-
 def install(force: bool = False) -> bool:
     """Register the emulator as `nki` (and its submodules) unless the real package imports.
 
@@ -246,8 +236,6 @@ def install(force: bool = False) -> bool:
     """
     if not force and real_nki_available():
         return False
-    sys.modules["nki"] = _facade()
-    sys.modules["nki.language"] = language
-    sys.modules["nki.isa"] = isa
-    sys.modules["nki.collectives"] = collectives
+    sys.modules["nki"] = api.package(jit, simulate)
+    sys.modules.update(api.MODULES)
     return True

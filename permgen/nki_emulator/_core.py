@@ -23,13 +23,23 @@ class EmulatorError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hardware constants (Trainium2 NeuronCore).
+# Hardware constants of the NeuronCore (those that differ by version: Platform).
 PMAX = 128  # partitions of SBUF and PSUM
-SBUF_PARTITION_BYTES = 192 * 1024  # 24 MiB SBUF / 128 partitions
-PSUM_PARTITION_BYTES = 16 * 1024  # 2 MiB PSUM / 128 partitions: 8 banks of 2 KiB
+# SBUF per partition, by NeuronCore version: "NeuronCore-v3 SBUF capacity is 28MiB (or, 128 partitions
+# of 224KiB)" (nki/guides/architecture/trainium2_arch.rst, SDK 2.32); "The NeuronCore-v4 SBUF capacity is
+# 32 MiB" (trainium3_arch.rst), 256 KiB per partition.
+SBUF_PARTITION_BYTES = {3: 224 * 1024, 4: 256 * 1024}
+PSUM_PARTITION_BYTES = 16 * 1024  # "PSUM capacity remains the same at 2MiB": 8 banks of 2 KiB per partition
 PSUM_BANK_BYTES = 2 * 1024
+# "For tiles in PSUM, the F dimension size must not exceed nki.language.tile_size.psum_bank_fmax == 512"
+# (nki/get-started/about/tiling-overview.rst, Tile-Size Constraint#2).
+PSUM_BANK_FMAX = 512
 GEMM_STATIONARY_FMAX = 128
+# nc_matmul's moving free size (nki.isa.nc_matmul, 2.32, "Tile size"): "On NeuronCore-v2 and -v3 ... must
+# not exceed 512 ... Starting NeuronCore-v4, ... can go up to 4096 for float32 dst or 8192 for bfloat16
+# dst, matching the size of 8x PSUM banks (the entire PSUM)".
 GEMM_MOVING_FMAX = 512
+GEMM_MOVING_FMAX_V4 = {"float32": 4096, "bfloat16": 8192}
 
 INT_POISON = {1: 0xA5, 2: 0xA5A5, 4: 0x5A5AA5A5}  # unsigned bit patterns by item size
 
@@ -191,7 +201,7 @@ class _Ledger:
         self.live = {SBUF: 0, PSUM: 0}
 
     def allocate(self, array: np.ndarray, buffer: Buffer, per_partition: int) -> None:
-        limit = SBUF_PARTITION_BYTES if buffer is SBUF else PSUM_PARTITION_BYTES
+        limit = SBUF_PARTITION_BYTES[platform().nc_version] if buffer is SBUF else PSUM_PARTITION_BYTES
         if self.live[buffer] + per_partition > limit:
             raise EmulatorError(
                 f"{buffer!r} exhausted: {self.live[buffer]} bytes per partition live, "
@@ -271,7 +281,7 @@ class VirtualRegister:
     def __init__(self, value=None):
         self._value = None if value is None else int(value)
 
-    def value(self, what: str) -> int:
+    def _read(self, what: str) -> int:
         if self._value is None:
             raise EmulatorError(f"{what} reads a register that was never written")
         return self._value
@@ -288,7 +298,7 @@ class VirtualRegister:
 
     def __bool__(self) -> bool:
         # `while reg:` is a documented device loop: it runs while the register is non-zero.
-        return self.value("while <register>") != 0
+        return self._read("while <register>") != 0
 
     def __repr__(self) -> str:
         return "VirtualRegister(...)"
@@ -424,26 +434,46 @@ class Tensor:
     def is_indirect(self) -> bool:
         return False  # the emulator's views never carry an indirect index (.ap() returns an AccessPattern)
 
-    def _not_emulated(name):
-        def method(self, *args, **kwargs):
-            raise EmulatorError(f"NkiTensor.{name} is documented but not emulated; the emulator covers the "
-                                f"subset permgen's kernels use (index with slices, .view, .ap)")
-        method.__name__ = name
-        return method
+    # Documented view methods the kernels do not use: refused, with their documented parameters.
+    def _refuse(self, name):
+        raise EmulatorError(f"NkiTensor.{name} is documented but not emulated; the emulator covers the subset "
+                            f"permgen's kernels use (slices, .view, .ap)")
 
-    permute = _not_emulated("permute")
-    broadcast = _not_emulated("broadcast")
-    expand_dim = _not_emulated("expand_dim")
-    squeeze_dim = _not_emulated("squeeze_dim")
-    reshape_dim = _not_emulated("reshape_dim")
-    flatten_dims = _not_emulated("flatten_dims")
-    reshape = _not_emulated("reshape")
-    rearrange = _not_emulated("rearrange")
-    slice = _not_emulated("slice")
-    select = _not_emulated("select")
-    vector_select = _not_emulated("vector_select")
-    indirect = _not_emulated("indirect")
-    del _not_emulated
+    def permute(self, dims):
+        self._refuse("permute")
+
+    def broadcast(self, dim, size):
+        self._refuse("broadcast")
+
+    def expand_dim(self, dim):
+        self._refuse("expand_dim")
+
+    def squeeze_dim(self, dim):
+        self._refuse("squeeze_dim")
+
+    def reshape_dim(self, dim, shape):
+        self._refuse("reshape_dim")
+
+    def flatten_dims(self, start_dim, end_dim):
+        self._refuse("flatten_dims")
+
+    def reshape(self, shape):
+        self._refuse("reshape")
+
+    def rearrange(self, src_pattern, dst_pattern, fixed_sizes=None):
+        self._refuse("rearrange")
+
+    def slice(self, dim, start, end, step=1):
+        self._refuse("slice")
+
+    def select(self, dim, index):
+        self._refuse("select")
+
+    def vector_select(self, dim, vector_offset):
+        self._refuse("vector_select")
+
+    def indirect(self, index, num_elem=None):
+        self._refuse("indirect")
 
 
 class AccessPattern:
@@ -466,9 +496,9 @@ class AccessPattern:
     def __init__(self, tensor: Tensor, pattern, offset, vector_offset, indirect_dim, scalar_offset=None):
         if not pattern or any(len(p) != 2 or p[1] < 0 for p in pattern):
             raise EmulatorError(f"access pattern must be a list of [step, count] pairs, got {pattern}")
-        self.tensor, self.pattern, self.offset = tensor, pattern, offset
-        self.vector_offset, self.indirect_dim = vector_offset, indirect_dim
-        self.scalar_offset = scalar_offset
+        self._tensor, self._pattern, self.offset = tensor, pattern, offset
+        self._vector_offset, self._indirect_dim = vector_offset, indirect_dim
+        self._scalar_offset = scalar_offset
         if (scalar_offset is not None or vector_offset is not None) and not 0 <= indirect_dim < tensor.ndim:
             raise EmulatorError(f"indirect_dim {indirect_dim} is not a dimension of the {tensor.ndim}-d {tensor!r} "
                                 f"(nki-aps: the dimension is relative to the base tensor)")
@@ -492,41 +522,41 @@ class AccessPattern:
 
     @property
     def shape(self) -> tuple:
-        return tuple(count for _, count in self.pattern)
+        return tuple(count for _, count in self._pattern)
 
     @property
     def dtype(self) -> np.dtype:
-        return self.tensor.dtype
+        return self._tensor.dtype
 
     @property
     def buffer(self) -> Buffer:
-        return self.tensor.buffer
+        return self._tensor.buffer
 
-    def resolve(self):
+    def _resolve(self):
         """(flat storage, addresses[shape], lanes in bounds along pattern dimension 0 or None)."""
-        storage = self.tensor._array.reshape(-1)
+        storage = self._tensor._array.reshape(-1)
         start = self.offset
-        if self.scalar_offset is not None:
-            start += self.scalar_offset.value("scalar_offset") * math.prod(self.tensor.shape[self.indirect_dim + 1:])
+        if self._scalar_offset is not None:
+            start += self._scalar_offset._read("scalar_offset") * math.prod(self._tensor.shape[self._indirect_dim + 1:])
         addresses = np.full(self.shape, start, dtype=np.int64)
         valid = None
-        for d, (step, count) in enumerate(self.pattern):
+        for d, (step, count) in enumerate(self._pattern):
             index = np.arange(count, dtype=np.int64)
-            if self.vector_offset is not None and d == 0:
-                index = self.vector_offset._array[:, 0].astype(np.int64)
-                if self.vector_offset.dtype == np.dtype(np.int32) and (index == _as_signed(INT_POISON[4])).any():
+            if self._vector_offset is not None and d == 0:
+                index = self._vector_offset._array[:, 0].astype(np.int64)
+                if self._vector_offset.dtype == np.dtype(np.int32) and (index == _as_signed(INT_POISON[4])).any():
                     raise EmulatorError("vector_offset holds never-written entries")
-                step = math.prod(self.tensor.shape[1:])
-                valid = (index >= 0) & (index < self.tensor.shape[0])
+                step = math.prod(self._tensor.shape[1:])
+                valid = (index >= 0) & (index < self._tensor.shape[0])
                 index = np.where(valid, index, 0)
-            shape = [1] * len(self.pattern)
+            shape = [1] * len(self._pattern)
             shape[d] = count
             addresses = addresses + (index * step).reshape(shape)
         inside = (addresses >= 0) & (addresses < storage.size)
         if valid is not None:
-            inside = inside | ~valid.reshape([-1] + [1] * (len(self.pattern) - 1))
+            inside = inside | ~valid.reshape([-1] + [1] * (len(self._pattern) - 1))
         if addresses.size and not inside.all():
-            raise EmulatorError(f"access pattern {self.pattern} + {self.offset} leaves {self.tensor!r}")
+            raise EmulatorError(f"access pattern {self._pattern} + {self.offset} leaves {self._tensor!r}")
         return storage, addresses, valid
 
 
@@ -544,9 +574,17 @@ def new_tensor(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
             raise EmulatorError(f"{buffer!r} tiles need a partition axis and a free axis, got shape {shape}")
         if shape[0] > PMAX:
             raise EmulatorError(f"{buffer!r} tile partition dimension {shape[0]} exceeds {PMAX}")
-        per_partition = math.prod(shape[1:]) * dtype.itemsize
-        if buffer is PSUM and per_partition > PSUM_BANK_BYTES:
-            raise EmulatorError(f"PSUM tile of {per_partition} bytes per partition exceeds one {PSUM_BANK_BYTES}-byte bank")
+        free = math.prod(shape[1:])
+        per_partition = free * dtype.itemsize
+        if buffer is PSUM and (free > PSUM_BANK_FMAX or per_partition > PSUM_BANK_BYTES):
+            # NeuronCore-v4's nc_matmul writes up to the whole PSUM (8 banks) in one dst tile; no page
+            # lets any other instruction use such a tile (isa._tile refuses it).
+            if platform().nc_version < 4 or per_partition > PSUM_PARTITION_BYTES:
+                raise EmulatorError(f"PSUM tile {shape} {dtype}: the free size must not exceed one bank, "
+                                    f"psum_bank_fmax = {PSUM_BANK_FMAX} elements ({PSUM_BANK_BYTES} bytes) per "
+                                    f"partition (tiling overview, Tile-Size Constraint#2)"
+                                    + ("" if platform().nc_version < 4 else "; NeuronCore-v4's nc_matmul dst up to "
+                                       "the whole PSUM"))
         array = poison(shape, dtype)
         ledger().allocate(array, buffer, per_partition)
         return Tensor._wrap(array, buffer, name)

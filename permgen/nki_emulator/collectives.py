@@ -39,7 +39,11 @@ class ReplicaGroup:
     """The ranks taking part in a collective, as a list of disjoint rank-lists; a collective runs
     independently within each rank-list."""
 
-    def __init__(self, groups):
+    def __init__(self, *args):
+        # Called positionally with the rank-lists, ReplicaGroup([[0, 1], ...]) (the stub: `*args`).
+        if len(args) != 1:
+            raise EmulatorError(f"ReplicaGroup takes one argument, the list of rank-lists; got {len(args)}")
+        groups = args[0]
         self.groups = [[int(r) for r in g] for g in groups]
         seen = [r for g in self.groups for r in g]
         if not self.groups or any(not g for g in self.groups):
@@ -132,7 +136,7 @@ def _hbm_list(tensors, what: str, kind: str) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-def all_to_all(srcs, dsts, replica_group, collective_dim=0, priority=None, name=None):
+def all_to_all(srcs, dsts, replica_group, collective_dim, priority=None, name=None):
     return _on_the_rank("ncc.all_to_all", _all_to_all, (srcs, dsts, replica_group, collective_dim, priority, name),
                         inputs=list(srcs) if isinstance(srcs, (list, tuple)) else [],
                         outputs=list(dsts) if isinstance(dsts, (list, tuple)) else [])

@@ -48,12 +48,32 @@ class engine(enum.Enum):  # noqa: N801  (mirrors nisa.engine)
 _Engine = engine
 
 
+class nc_version(enum.Enum):  # noqa: N801  (mirrors nisa.nc_version)
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+def get_nc_version():
+    """The NeuronCore version of the Platform: gen3 on Trn2, gen4 on Trn3 (nisa.nc_version: "gen3 = 3,
+    Trn2 target", "gen4 = 4, Trn3 target")."""
+    return nc_version(_core.platform().nc_version)
+
+
+def get_nc_sub_version():
+    """ "0 - first revision (default)": the emulator models each generation's first revision."""
+    return 0
+
+
 def _tile(x, what: str) -> Tensor:
     """A compute engine's operand: an SBUF or PSUM tile of a dtype the engines of this NeuronCore handle."""
     if not isinstance(x, Tensor):
         raise EmulatorError(f"{what} must be a tile, got {type(x).__name__}")
     if not x.buffer.on_chip:
         raise EmulatorError(f"{what} must be in SBUF or PSUM, not {x.buffer!r}: compute engines cannot read HBM")
+    if x.buffer is PSUM and math.prod(x._root.shape[1:]) > _core.PSUM_BANK_FMAX:
+        raise EmulatorError(f"{what} is a PSUM tile wider than one bank ({x._root.shape}): not documented for any "
+                            f"instruction but NeuronCore-v4's nc_matmul dst")
     if x.dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
         # nki.isa.nc_matmul (2.32): "Starting NeuronCore-v4, float8_e4m3fn (OCP FP8) is also supported"; no
         # page documents float8_e4m3fn on a NeuronCore-v3 compute engine (nki-library resolves it to
@@ -143,9 +163,9 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if not isinstance(oob_mode, _OobMode):
         raise EmulatorError(f"dma_copy oob_mode must be an nisa.oob_mode member, got {oob_mode!r}")
     if isinstance(dst, AccessPattern) and isinstance(src, AccessPattern) and (
-            dst.vector_offset is not None and src.vector_offset is not None):
+            dst._vector_offset is not None and src._vector_offset is not None):
         raise EmulatorError("only one side of a dma_copy may be indirect")
-    indirect = any(isinstance(side, AccessPattern) and side.vector_offset is not None for side in (dst, src))
+    indirect = any(isinstance(side, AccessPattern) and side._vector_offset is not None for side in (dst, src))
     if indirect and dge_mode not in (_DgeMode.unknown, _DgeMode.swdge):
         raise EmulatorError(f"dma_copy with a vector_offset access pattern and dge_mode={dge_mode.name}: nki-dge, "
                             f"\"the DGE mode is constrained to swdge\" (pass dge_mode=unknown or swdge)")
@@ -162,8 +182,8 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     def read(side):
         if isinstance(side, Tensor):
             return side._array.copy(), None, None
-        storage, addresses, valid = side.resolve()
-        return storage[addresses], (valid, side.indirect_dim), addresses
+        storage, addresses, valid = side._resolve()
+        return storage[addresses], (valid, side._indirect_dim), addresses
 
     values, src_lanes, src_addresses = read(src)
     if tuple(values.shape) != tuple(dst.shape):
@@ -171,8 +191,8 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if values.dtype != dst.dtype:
         values = _convert(values, dst.dtype)
     if isinstance(dst, AccessPattern):
-        storage, addresses, valid = dst.resolve()
-        lanes = (valid, dst.indirect_dim)
+        storage, addresses, valid = dst._resolve()
+        lanes = (valid, dst._indirect_dim)
     else:
         storage, addresses, lanes = None, None, None
     lanes = lanes if lanes and lanes[0] is not None else src_lanes
@@ -190,9 +210,9 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if isinstance(src, Tensor):
         _cores.note_read(src, "dma_copy src", keep=keep.reshape(src.shape) if src.shape == values.shape else None)
     else:
-        _cores.note_read(src.tensor, "dma_copy src", elements=src_addresses.reshape(values.shape)[keep])
+        _cores.note_read(src._tensor, "dma_copy src", elements=src_addresses.reshape(values.shape)[keep])
     if storage is not None:
-        _cores.note_write(dst.tensor, "dma_copy dst", values[keep], elements=addresses[keep])
+        _cores.note_write(dst._tensor, "dma_copy dst", values[keep], elements=addresses[keep])
         storage[addresses[keep]] = values[keep]
     else:
         _cores.note_write(dst, "dma_copy dst", values[keep], keep=keep)
@@ -382,8 +402,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     k, m = stationary.shape
     if moving.shape[0] != k:
         raise EmulatorError(f"nc_matmul contraction (partition) sizes differ: {k} vs {moving.shape[0]}")
-    if m > _core.GEMM_STATIONARY_FMAX or moving.shape[1] > _core.GEMM_MOVING_FMAX:
-        raise EmulatorError(f"nc_matmul free sizes {m} (stationary, <= 128) / {moving.shape[1]} (moving, <= 512)")
+    moving_fmax = (_core.GEMM_MOVING_FMAX if _core.platform().nc_version < 4
+                   else _core.GEMM_MOVING_FMAX_V4[np.dtype(dst.dtype).name])
+    if m > _core.GEMM_STATIONARY_FMAX or moving.shape[1] > moving_fmax:
+        raise EmulatorError(f"nc_matmul free sizes {m} (stationary, <= {_core.GEMM_STATIONARY_FMAX}) / {moving.shape[1]} "
+                            f"(moving, <= {moving_fmax} on NeuronCore-v{_core.platform().nc_version} with a "
+                            f"{dst.dtype} dst)")
     if dst.shape != (m, moving.shape[1]):
         raise EmulatorError(f"nc_matmul dst must be {(m, moving.shape[1])}, got {dst.shape}")
     _write(dst, (_fp32(stationary).astype(np.float64).T @ _fp32(moving).astype(np.float64)).astype(np.float32))

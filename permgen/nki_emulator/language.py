@@ -29,11 +29,38 @@ float8_e4m3fn = _core.float8_e4m3fn
 float8_e5m2 = _core.float8_e5m2
 
 
-class tile_size:  # noqa: N801  (mirrors nl.tile_size)
+class _TileSize:
+    """nl.tile_size: the hardware tile constants (nki.language.tile_size page, SDK 2.32) of the current
+    Platform's NeuronCore. Those whose value no page gives are refused as not emulated."""
+
     pmax = _core.PMAX
-    psum_fmax = _core.PSUM_BANK_BYTES // 4
+    psum_bank_fmax = _core.PSUM_BANK_FMAX  # tiling overview: "psum_bank_fmax == 512"
+    psum_fmax = _core.PSUM_BANK_FMAX  # deprecated alias of psum_bank_fmax (0.4)
+    psum_bank_fmax_bytes = _core.PSUM_BANK_BYTES
     gemm_stationary_fmax = _core.GEMM_STATIONARY_FMAX
-    gemm_moving_fmax = _core.GEMM_MOVING_FMAX
+    _NOT_EMULATED = ("bn_stats_fmax", "psum_min_align", "sbuf_min_align", "sbuf_fmax", "sbuf_fmax_bytes",
+                     "total_available_sbuf_size", "psum_num_banks")
+
+    @property
+    def gemm_moving_fmax(self) -> int:
+        if _core.platform().nc_version >= 4:
+            raise _core.EmulatorError("nl.tile_size.gemm_moving_fmax on NeuronCore-v4: nc_matmul allows 4096 (fp32 dst) "
+                                      "or 8192 (bf16 dst); which one the constant holds is not documented")
+        return _core.GEMM_MOVING_FMAX
+
+    @property
+    def sbuf_size_bytes(self) -> int:
+        """"Total SBUF capacity in bytes (all partitions combined)": 28 MiB on NeuronCore-v3, 32 MiB on v4."""
+        return _core.SBUF_PARTITION_BYTES[_core.platform().nc_version] * _core.PMAX
+
+    def __getattr__(self, name):
+        if name in _TileSize._NOT_EMULATED:
+            raise _core.EmulatorError(f"nl.tile_size.{name} is documented but not emulated (its value is not given "
+                                      f"by the pages the emulator follows)")
+        raise AttributeError(f"nl.tile_size has no attribute {name!r}")
+
+
+tile_size = _TileSize()
 
 
 @dataclass(frozen=True)
@@ -44,6 +71,10 @@ class Operator:
 
     def __repr__(self) -> str:
         return f"nl.{self.name}"
+
+    def __call__(self, x, y, dtype=None):
+        raise _core.EmulatorError(f"nl.{self.name}(x, y) on tiles (the nki.language tile functions) is not emulated; "
+                                  f"pass nl.{self.name} as an instruction's op")
 
 
 def _cmp(f):
@@ -67,20 +98,29 @@ left_shift = Operator("left_shift", "bitvec", np.left_shift)
 right_shift = Operator("right_shift", "bitvec", np.right_shift)
 
 
-def ndarray(shape, dtype, buffer=SBUF, name: str = "") -> Tensor:
+NkiTensor = Tensor
+
+
+def ndarray(shape, dtype, buffer=SBUF, name: str = "", address=None) -> Tensor:
+    if address is not None:
+        raise _core.EmulatorError("nl.ndarray(address=...) (manual allocation) is not emulated")
     return _core.new_tensor(shape, dtype, buffer, name)
 
 
-def affine_range(*args):
-    return range(*args)
+def _host_range(start, stop, step):
+    return range(start, stop, step) if stop is not None else range(start)
 
 
-def sequential_range(*args):
-    return range(*args)
+def affine_range(start, stop=None, step=1):
+    return _host_range(start, stop, step)
 
 
-def static_range(*args):
-    return range(*args)
+def sequential_range(start, stop=None, step=1):
+    return _host_range(start, stop, step)
+
+
+def static_range(start, stop=None, step=1):
+    return _host_range(start, stop, step)
 
 
 def dynamic_range(start, stop=None, step=1):
@@ -94,7 +134,7 @@ def dynamic_range(start, stop=None, step=1):
 
     def bound(b, what):
         if isinstance(b, _core.VirtualRegister):
-            return b.value(f"dynamic_range {what}")
+            return b._read(f"dynamic_range {what}")
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
             raise _core.EmulatorError(f"dynamic_range {what} must be an int or a VirtualRegister, got {type(b).__name__}")
         return int(b)

@@ -15,7 +15,7 @@ import torch
 from . import install, real_nki_available
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tests use its generated/)
-NKI_MODULE_NAMES = ("nki", "nki.language", "nki.isa", "nki.collectives")
+NKI_MODULE_NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.collectives", "nki.typing")
 REAL_NKI = real_nki_available()
 BACKENDS = ["emulator", "nki.simulate"]
 NO_REAL_NKI = "the real `nki` package (AWS Neuron pip index) is not installed"

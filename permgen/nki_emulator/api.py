@@ -1,0 +1,91 @@
+"""The modules the emulator registers as `nki`, `nki.language`, `nki.isa`, `nki.collectives`,
+`nki.isa.constants` and `nki.typing`: exactly the documented NKI names it emulates, nothing else.
+
+A documented name it does not emulate, and any name NKI does not document, raise `NotEmulated`
+(an EmulatorError and an AttributeError, so `from nki.language import x` fails with it as well).
+tests/test_nki_surface.py checks these modules against the documented API (NKI 0.6 stubs).
+
+    from permgen.nki_emulator.api import language as nl, isa as nisa, collectives as ncc
+"""
+
+from __future__ import annotations
+
+import types
+
+from . import _core, collectives as _collectives, isa as _isa, language as _language
+
+
+class NotEmulated(_core.EmulatorError, AttributeError):
+    """A name the emulator does not provide: documented but not emulated, or not NKI."""
+
+
+_DTYPES = ("bool_", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "float32", "bfloat16",
+           "float8_e4m3", "float8_e4m3fn", "float8_e5m2")
+_OPERATORS = ("add", "subtract", "multiply", "maximum", "minimum", "equal", "not_equal", "greater", "greater_equal",
+              "less", "less_equal", "bitwise_and", "bitwise_or", "left_shift", "right_shift")
+
+EMULATED = {
+    "nki.language": _DTYPES + _OPERATORS + (
+        "sbuf", "psum", "hbm", "private_hbm", "shared_hbm", "tile_size", "NkiTensor", "ndarray",
+        "affine_range", "sequential_range", "static_range", "dynamic_range",
+        "program_id", "num_programs", "program_ndim"),
+    "nki.isa": (
+        "oob_mode", "dge_mode", "engine", "nc_version", "get_nc_version", "get_nc_sub_version",
+        "dma_copy", "memset", "iota", "tensor_copy", "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor",
+        "tensor_reduce", "tensor_tensor_scan", "nc_matmul", "register_alloc", "register_load", "core_barrier"),
+    "nki.isa.constants": ("oob_mode", "dge_mode"),
+    "nki.collectives": ("ReplicaGroup", "all_to_all", "all_to_all_v", "rank_id"),
+    "nki.typing": (),
+}
+_SOURCES = {"nki.language": _language, "nki.isa": _isa, "nki.isa.constants": _isa, "nki.collectives": _collectives}
+
+
+def _module(name: str, names, source, submodules=()) -> types.ModuleType:
+    module = types.ModuleType(name, f"{name} as permgen's NKI emulator provides it (see permgen.nki_emulator.api).")
+    for n in names:
+        setattr(module, n, getattr(source, n))
+    for n, sub in submodules:
+        setattr(module, n, sub)
+    public = set(names) | {n for n, _ in submodules}
+
+    def __getattr__(attr):  # noqa: N807  (a module's attribute hook, PEP 562)
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise NotEmulated(f"{name}.{attr} is not emulated by permgen's NKI emulator (it emulates the documented "
+                          f"NKI names its kernels use; a name outside the NKI documentation is not NKI at all)")
+
+    module.__getattr__ = __getattr__
+    module.__dir__ = lambda: sorted(public)
+    module.__nki_emulator__ = True
+    return module
+
+
+language = _module("nki.language", EMULATED["nki.language"], _language)
+constants = _module("nki.isa.constants", EMULATED["nki.isa.constants"], _isa)
+isa = _module("nki.isa", EMULATED["nki.isa"], _isa, submodules=[("constants", constants)])
+isa.__path__ = []  # a package: `import nki.isa.constants` resolves through sys.modules
+collectives = _module("nki.collectives", EMULATED["nki.collectives"], _collectives)
+typing = _module("nki.typing", EMULATED["nki.typing"], None)
+
+# sys.modules name -> module, for install().
+MODULES = {"nki.language": language, "nki.isa": isa, "nki.isa.constants": constants, "nki.collectives": collectives,
+           "nki.typing": typing}
+
+
+def package(jit, simulate) -> types.ModuleType:
+    """The `nki` package: jit, simulate and the submodules."""
+    nki = types.ModuleType("nki", "NKI emulator (permgen.nki_emulator) registered as `nki`.")
+    nki.__path__ = []  # a package, so `import nki.language` resolves through sys.modules
+    nki.__nki_emulator__ = True
+    nki.jit, nki.simulate = jit, simulate
+    nki.language, nki.isa, nki.collectives, nki.typing = language, isa, collectives, typing
+    public = {"jit", "simulate", "language", "isa", "collectives", "typing"}
+
+    def __getattr__(attr):  # noqa: N807
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise NotEmulated(f"nki.{attr} is not emulated by permgen's NKI emulator")
+
+    nki.__getattr__ = __getattr__
+    nki.__dir__ = lambda: sorted(public)
+    return nki

@@ -1,0 +1,322 @@
+"""The documented NKI surface, enforced on the emulator and on every NKI kernel.
+
+tests/nki_api.json lists the NKI API as the aws-neuron-sdk stubs document it (modules, functions with
+their parameters in order, NkiTensor methods and attributes, enum members; NKI 0.6.0 at the top level,
+snapshots of 0.3.0 - 0.5.0 under `by_version`; its `source` field names the stub commits).
+
+- The emulator (permgen.nki_emulator.api, what `import nki` gives without the Neuron packages)
+  provides only documented names, each with the documented parameters in order, and refuses every
+  documented name it does not emulate with a "not emulated" error.
+- Every NKI kernel (generated/nki/*.py, and the hand-written permgen/nki_*.py modules with @nki.jit
+  kernels) uses only names, attributes and keywords the NKI versions it claims to run on document:
+  the README's Trainium host needs Neuron SDK 2.30 (NKI 0.4.0) or newer, so 0.4.0, 0.5.0 and 0.6.0.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from permgen import nki_emulator
+from permgen.nki_emulator import api
+from permgen.nki_emulator.api import NotEmulated
+
+ROOT = Path(__file__).resolve().parent.parent
+API = json.loads((Path(__file__).parent / "nki_api.json").read_text())
+SUPPORTED_VERSIONS = ("0.4.0", "0.5.0", "0.6.0")  # Neuron SDK 2.30 (the README's minimum) .. 2.32
+SUBMODULES = {"nki": {"language", "isa", "collectives", "typing"}, "nki.isa": {"constants"}}
+# Attributes of plain Python values kernels may use while tracing (lists of tiles, type names in errors).
+PYTHON_ATTRIBUTES = {"append"}
+
+
+def surface(version: str) -> dict:
+    """modules, tensor_methods, tensor_attributes, tile_size attributes and enum members of one version."""
+    snap = API if version == API["nki_version"] else API["by_version"][version]
+    return {"modules": snap["modules"], "tensor_methods": snap["tensor_methods"],
+            "tensor_attributes": set(snap["tensor_attributes"]),
+            "tile_size": set(API["attributes"]["nki.language.tile_size"] if snap is API else snap["tile_size_attributes"]),
+            "enum_members": API["enum_members"]}
+
+
+# --- the emulator's surface ------------------------------------------------------------------------
+EMULATOR_MODULES = {"nki": api.package(nki_emulator.jit, nki_emulator.simulate), **api.MODULES}
+
+
+def documented_parameters(params: list) -> list:
+    return params
+
+
+def emulated_parameters(obj) -> list:
+    names = []
+    for p in inspect.signature(obj).parameters.values():
+        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(p.kind, "")
+        names.append(prefix + p.name)
+    return names
+
+
+def check_signature(where: str, obj, params: list, defaults: dict, problems: list) -> None:
+    if not callable(obj):
+        problems.append(f"{where}: documented as callable, emulated as {type(obj).__name__}")
+        return
+    got = emulated_parameters(obj)
+    if got != params:
+        problems.append(f"{where}: parameters {got}, documented {params}")
+        return
+    for p in inspect.signature(obj).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if (p.default is not p.empty) != (p.name in defaults):
+            problems.append(f"{where}: parameter {p.name} {'has' if p.default is not p.empty else 'lacks'} a default; "
+                            f"documented {'with' if p.name in defaults else 'without'} one")
+
+
+def test_emulator_modules_provide_only_documented_names_with_documented_parameters():
+    doc = surface(API["nki_version"])
+    problems, emulated = [], 0
+    for module_name, names in doc["modules"].items():
+        module = EMULATOR_MODULES[module_name]
+        public = {n for n in dir(module) if not n.startswith("_")} - SUBMODULES.get(module_name, set())
+        problems += [f"{module_name}.{n}: emulated but not documented" for n in sorted(public - set(names))]
+        for name, params in names.items():
+            where = f"{module_name}.{name}"
+            try:
+                obj = getattr(module, name)
+            except NotEmulated as err:
+                assert "not emulated" in str(err), where
+                continue
+            emulated += 1
+            if params is not None:
+                check_signature(where, obj, params, API["defaults"].get(module_name, {}).get(name, {}), problems)
+            if where in doc["enum_members"]:
+                members = {m.name for m in obj}
+                if members != set(doc["enum_members"][where]):
+                    problems.append(f"{where}: members {sorted(members)}, documented {doc['enum_members'][where]}")
+    assert not problems, "\n".join(problems)
+    assert emulated >= 60  # the subset the kernels use: dtypes, memories, operators, instructions, collectives
+
+
+def test_emulator_tensors_have_only_documented_methods_and_attributes():
+    doc = surface(API["nki_version"])
+    nl = api.language
+    tensor = nl.NkiTensor((2, 3), nl.float32, __import__("numpy").zeros((2, 3), "float32"), nl.shared_hbm, "t")
+    pattern = tensor.ap([[3, 2], [1, 3]], offset=0)  # .ap() returns a view, documented as an NkiTensor too
+    documented = doc["tensor_attributes"] | set(doc["tensor_methods"])
+    problems = []
+    for what, obj in (("NkiTensor", tensor), ("NkiTensor.ap(...)", pattern)):
+        public = {n for n in dir(obj) if not n.startswith("_")}
+        problems += [f"{what}.{n}: emulated but not documented" for n in sorted(public - documented)]
+    for name in doc["tensor_attributes"]:
+        getattr(tensor, name)
+    for name, params in doc["tensor_methods"].items():
+        check_signature(f"NkiTensor.{name}", getattr(tensor, name), params,
+                        API["tensor_method_defaults"].get(name, {}), problems)
+    assert not problems, "\n".join(problems)
+    with pytest.raises(AttributeError):
+        tensor.itemsize
+
+
+def test_emulator_tile_size_has_only_documented_constants():
+    doc = surface(API["nki_version"])
+    tile_size = api.language.tile_size
+    public = {n for n in dir(type(tile_size)) if not n.startswith("_")}
+    assert public <= doc["tile_size"], public - doc["tile_size"]
+    for name in doc["tile_size"]:
+        try:
+            assert isinstance(getattr(tile_size, name), int)
+        except nki_emulator.EmulatorError as err:
+            assert "not emulated" in str(err) or "not documented" in str(err), name
+
+
+def test_names_outside_the_documentation_are_refused():
+    for module, name in ((api.language, "arange"), (api.language, "par_dim"), (api.isa, "activate"),
+                         (api.collectives, "run_ranks"), (api.language, "Operator"), (api.isa, "np")):
+        with pytest.raises(NotEmulated, match="not emulated"):
+            getattr(module, name)
+
+
+# --- the kernels' use of NKI ------------------------------------------------------------------------
+def kernel_files() -> list[Path]:
+    generated = sorted(p for p in (ROOT / "generated" / "nki").glob("*.py") if p.name != "__init__.py")
+    hand_written = sorted(p for p in (ROOT / "permgen").glob("nki_*.py") if "@nki.jit" in p.read_text())
+    return generated + hand_written
+
+
+def _aliases(tree: ast.Module) -> tuple[dict, dict]:
+    """(name -> NKI module, name -> (module, attribute)) from the file's imports of nki."""
+    modules, names = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "nki" or a.name.startswith("nki."):
+                    modules[a.asname or a.name.split(".")[0]] = a.name if a.asname else "nki"
+        elif isinstance(node, ast.ImportFrom) and node.module and (node.module == "nki" or node.module.startswith("nki.")):
+            for a in node.names:
+                names[a.asname or a.name] = (node.module, a.name)
+    return modules, names
+
+
+def _kernel_functions(tree: ast.Module, modules: dict) -> list[ast.FunctionDef]:
+    """The @nki.jit functions and every module-level function they reach (called or passed by name)."""
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+    def is_jit(decorator) -> bool:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        return (isinstance(target, ast.Attribute) and target.attr == "jit" and isinstance(target.value, ast.Name)
+                and modules.get(target.value.id) == "nki")
+    todo = [f for f in functions.values() if any(is_jit(d) for d in f.decorator_list)]
+    seen = {f.name for f in todo}
+    for f in todo:
+        for node in ast.walk(f):
+            if isinstance(node, ast.Name) and node.id in functions and node.id not in seen:
+                seen.add(node.id)
+                todo.append(functions[node.id])
+    return todo
+
+
+def _chain(node) -> list[str] | None:
+    """a.b.c -> ["a", "b", "c"] when the chain ends in a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id] + parts[::-1]
+    return None
+
+
+def findings(path: Path, version: str) -> list[str]:
+    doc = surface(version)
+    tree = ast.parse(path.read_text())
+    modules, imported = _aliases(tree)
+    out = []
+
+    def resolve(chain):
+        """(module, [attributes]) for a chain rooted at an NKI module alias or an imported NKI name."""
+        if chain[0] in modules:
+            module, rest = modules[chain[0]], chain[1:]
+            while rest and rest[0] in SUBMODULES.get(module, ()):
+                module, rest = f"{module}.{rest[0]}", rest[1:]
+            return module, rest
+        if chain[0] in imported:
+            module, name = imported[chain[0]]
+            return module, [name] + chain[1:]
+        return None
+
+    def check_path(node, module, rest) -> list | None:
+        """Problems with module.rest[0].rest[1]..., or the documented parameters of what it names."""
+        if not rest:
+            return None
+        names = doc["modules"].get(module)
+        if names is None or rest[0] not in names:
+            out.append(f"{path.name}:{node.lineno}: {module}.{rest[0]} is not in NKI {version}")
+            return None
+        qualified = f"{module}.{rest[0]}"
+        if len(rest) > 1:
+            if qualified in doc["enum_members"] and rest[1] in doc["enum_members"][qualified] and len(rest) == 2:
+                return None
+            if qualified == "nki.language.tile_size" and rest[1] in doc["tile_size"] and len(rest) == 2:
+                return None
+            out.append(f"{path.name}:{node.lineno}: {'.'.join([module] + rest)} is not in NKI {version}")
+            return None
+        return names[rest[0]]
+
+    def check_call(node, params, what):
+        if params is None:
+            return
+        if any(p.startswith("**") for p in params):
+            return
+        fixed = [p for p in params if not p.startswith("*")]
+        if not any(p.startswith("*") for p in params) and len(node.args) > len(fixed):
+            out.append(f"{path.name}:{node.lineno}: {what} takes {len(fixed)} parameters in NKI {version}, "
+                       f"called with {len(node.args)} positional arguments")
+        for kw in node.keywords:
+            if kw.arg is not None and kw.arg not in fixed:
+                out.append(f"{path.name}:{node.lineno}: {what}({kw.arg}=...) is not a parameter in NKI {version}")
+
+    tensor_surface = doc["tensor_attributes"] | set(doc["tensor_methods"])
+    for function in _kernel_functions(tree, modules):
+        resolved_attributes = set()
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call):
+                chain = _chain(node.func)
+                target = resolve(chain) if chain else None
+                if target is not None:
+                    params = check_path(node.func, *target)
+                    resolved_attributes.update(id(n) for n in ast.walk(node.func))
+                    check_call(node, params, ".".join([target[0]] + target[1]))
+                elif isinstance(node.func, ast.Attribute) and node.func.attr in doc["tensor_methods"]:
+                    check_call(node, doc["tensor_methods"][node.func.attr], f"NkiTensor.{node.func.attr}")
+                elif (isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+                      and isinstance(node.args[1], ast.Constant) and node.args[1].value not in tensor_surface):
+                    out.append(f"{path.name}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r}): not an "
+                               f"NkiTensor attribute in NKI {version}")
+        for node in ast.walk(function):
+            if not isinstance(node, ast.Attribute) or id(node) in resolved_attributes:
+                continue
+            chain = _chain(node)
+            target = resolve(chain) if chain else None
+            if target is not None:
+                check_path(node, *target)
+                resolved_attributes.update(id(n) for n in ast.walk(node))
+            elif node.attr not in tensor_surface and node.attr not in PYTHON_ATTRIBUTES and not (
+                    node.attr.startswith("__") and node.attr.endswith("__")):
+                out.append(f"{path.name}:{node.lineno}: .{node.attr} is not an NkiTensor attribute or method "
+                           f"in NKI {version}")
+            else:
+                resolved_attributes.add(id(node))
+    return sorted(set(out))
+
+
+# Findings the kernels still have, each its own strict xfail so that fixing it is noticed.
+KNOWN_FINDINGS: dict = {}
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VERSIONS)
+@pytest.mark.parametrize("path", kernel_files(), ids=lambda p: p.name)
+def test_kernels_use_only_documented_nki(path, version):
+    found = [f for f in findings(path, version) if f not in KNOWN_FINDINGS]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("finding", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=why))
+                                     for f, why in KNOWN_FINDINGS.items()] or [pytest.param(None, marks=pytest.mark.skip(
+                                         reason="no known findings"))])
+def test_known_finding_is_still_there(finding):
+    path, _, version = finding.partition(" @ ")
+    assert finding not in findings(next(p for p in kernel_files() if p.name == path.split(":")[0]), version)
+
+
+def test_the_scan_catches_undocumented_use(tmp_path):
+    """The scan fails a kernel that uses an undocumented attribute, name or keyword, and passes its twin."""
+    good = '''
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+_WORD = {1: nl.uint8, 2: nl.uint16, 4: nl.uint32}
+
+def _zero(tile, itemsize):
+    nisa.memset(tile.view(_WORD[itemsize]), value=0)
+
+@nki.jit
+def kernel(a):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    tile = nl.ndarray((nl.tile_size.pmax, a.shape[1]), dtype=a.dtype, buffer=nl.sbuf)
+    _zero(tile, 4)
+    nisa.dma_copy(dst=out, src=tile, oob_mode=nisa.oob_mode.skip)
+    return out
+'''
+    bad = (good.replace("tile.view(_WORD[itemsize])", "tile.view(_WORD[tile.itemsize])")
+           .replace("oob_mode=nisa.oob_mode.skip", "oob_mode=nisa.oob_mode.drop, dst_rmw_op=nl.add")
+           .replace("nl.tile_size.pmax", "nl.par_dim(128)"))
+    (tmp_path / "good.py").write_text(good)
+    (tmp_path / "bad.py").write_text(bad)
+    assert findings(tmp_path / "good.py", "0.6.0") == []
+    found = "\n".join(findings(tmp_path / "bad.py", "0.6.0"))
+    for expected in (".itemsize is not an NkiTensor attribute", "nki.isa.oob_mode.drop is not in NKI",
+                     "dma_copy(dst_rmw_op=...) is not a parameter", "nki.language.par_dim is not in NKI"):
+        assert expected in found, found
