@@ -705,12 +705,12 @@ def test_all_to_all_v_follows_each_generations_restrictions():
 def test_driver_rules():
     with pytest.raises(EmulatorError, match="multi-rank driver"):
         ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1), np.float32))], dsts=[_hbm(np.zeros((2, 1), np.float32))],
-                       replica_group=ncc.ReplicaGroup([[0, 1]]))
+                       replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=0)
 
     def mismatched(me):
         t = _hbm(np.zeros((2, 1), np.float32))
         if me == 0:
-            ncc.all_to_all(srcs=[t], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]))
+            ncc.all_to_all(srcs=[t], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=0)
         else:
             ncc.all_to_all_v(srcs=[t], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]),
                              metadata_tensor=_hbm(np.zeros((3, 2), np.uint32)))
@@ -720,14 +720,14 @@ def test_driver_rules():
     def one_fails(me):
         if me == 1:
             raise ValueError("rank one broke")
-        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1), np.float32))], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]))
+        ncc.all_to_all(srcs=[_hbm(np.zeros((2, 1), np.float32))], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=0)
     with pytest.raises(ValueError, match="rank one broke") as info:
         run_ranks(one_fails, [(0,), (1,)])
     assert "raised on rank 1 of 2" in info.value.__notes__[0]
 
     def sbuf_source(me):
         tile = nl.ndarray((2, 1), dtype=nl.float32, buffer=nl.sbuf)
-        ncc.all_to_all(srcs=[tile], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]))
+        ncc.all_to_all(srcs=[tile], dsts=[_hbm(np.zeros((2, 1), np.float32))], replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=0)
     with pytest.raises(EmulatorError, match="must be HBM tensors"):
         run_ranks(sbuf_source, [(0,), (1,)])
     with pytest.raises(EmulatorError, match="overlap"):
