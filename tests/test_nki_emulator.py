@@ -417,7 +417,7 @@ def test_vector_offset_indexes_dimension_0_through_software_dge():
 
 
 def test_int32_tensor_tensor_is_exact_on_gpsimd():
-    """nki.isa.tensor_tensor (2.29+): int32/uint32 tiles default to GpSimd's native integer arithmetic,
+    """nki.isa.tensor_tensor (from 2.29): int32/uint32 tiles default to GpSimd's native integer arithmetic,
     "exact results for all 32-bit integer values"; engine=vector, or an operand in PSUM, computes in fp32."""
     def add(a, b, engine=nisa.engine.unknown, through_psum=False):
         x = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
@@ -440,6 +440,8 @@ def test_int32_tensor_tensor_is_exact_on_gpsimd():
     assert rounded != (1 << 24) + 3
     assert run(lambda a, b: add(a, b, engine=nisa.engine.vector), a, b)[0, 0] == rounded
     assert run(lambda a, b: add(a, b, through_psum=True), a, b)[0, 0] == rounded
+    with nki_emulator.on(nki_emulator.Platform(sdk="2.28")):  # before 2.29 the page documents fp32 only
+        assert run(add, a, b)[0, 0] == rounded
     with pytest.raises(EmulatorError, match="overflow is not documented"):
         run(add, np.array([[2**31 - 1]], np.int32), b)
 
@@ -687,6 +689,11 @@ def test_all_to_all_v_follows_each_generations_restrictions():
     with pytest.raises(EmulatorError, match="inter-node rank-list"):
         _a2av_ranks(2, [[0, 1]], trn2, has_rdispls=True)
     assert _a2av_ranks(2, [[0, 1]], trn2, has_rdispls=False)[1] == [0.0, 1.0]
+    # 2.30 - 2.32: "all_to_all_v currently supports only inter-node replica groups", with or without has_rdispls.
+    with pytest.raises(EmulatorError, match="on SDK 2.32 on trn2 needs an inter-node rank-list"):
+        _a2av_ranks(2, [[0, 1]], nki_emulator.Platform("trn2", sdk="2.32"), has_rdispls=False)
+    assert _a2av_ranks(4, [[0, 2], [1, 3]], nki_emulator.Platform("trn2", ranks_per_node=2, sdk="2.30"),
+                       has_rdispls=False)[3] == [1.0, 3.0]
     two_nodes = nki_emulator.Platform("trn2", ranks_per_node=2)  # ranks 0, 1 on node 0; 2, 3 on node 1
     assert _a2av_ranks(4, [[0, 2], [1, 3]], two_nodes, has_rdispls=True)[3] == [1.0, 3.0]
     with pytest.raises(EmulatorError, match="inter-node rank-list"):

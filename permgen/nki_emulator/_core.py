@@ -60,11 +60,14 @@ class Platform:
     says "4 under LNC=2" for Trn3; a Trn2 device has 8 physical cores).
     ranks_per_node: ranks of one EC2 instance (trn2.48xlarge: 16 devices x 4 at LNC=2). Tests shrink it
     to model several instances with few threads.
+    sdk: the Neuron SDK release ("2.33"), for rules whose pages changed between releases (all_to_all_v's
+    restrictions on Trn2; tensor_tensor's exact int32 arithmetic from 2.29).
     """
     generation: str = "trn2"
     lnc: int | None = None
     ranks_per_device: int = 4
     ranks_per_node: int = 64
+    sdk: str = "2.33"
 
     def __post_init__(self):
         if self.generation not in ("trn2", "trn3"):
@@ -73,6 +76,13 @@ class Platform:
             _check_lnc(self.lnc, "Platform lnc")
         if self.ranks_per_device < 1 or self.ranks_per_node < 1:
             raise EmulatorError(f"bad platform layout {self}")
+        if not (isinstance(self.sdk, str) and self.sdk.count(".") == 1 and all(p.isdigit() for p in self.sdk.split("."))):
+            raise EmulatorError(f"Platform sdk must be a Neuron SDK release like '2.33', got {self.sdk!r}")
+
+    @property
+    def sdk_release(self) -> tuple:
+        """The SDK release as (major, minor), e.g. (2, 33)."""
+        return tuple(int(p) for p in self.sdk.split("."))
 
     @property
     def nc_version(self) -> int:
@@ -236,7 +246,7 @@ class Cost:
     instructions: int = 0  # every nki.isa / nki.collectives call that is an instruction
     indirect_dmas: int = 0  # dma_copy calls with a vector_offset on one side
     dma_bytes: int = 0  # bytes moved by dma_copy
-    dynamic_iterations: int = 0  # iterations of nl.dynamic_range loops (each ends in an all-engine barrier)
+    dynamic_iterations: int = 0  # iterations of nl.dynamic_range loops
 
 
 def begin_cost(kernel: str) -> Cost:

@@ -185,13 +185,17 @@ def _check_generation(kind: str, ranks: list[int], has_rdispls: bool) -> None:
                                 f"holding every rank of each device it touches ({whole}); keep an unused rank in the "
                                 f"list with send count 0")
         return
-    if has_rdispls:
+    # Elsewhere (Trn2): 2.33, "has_rdispls=True is currently only supported on inter-node replica groups";
+    # 2.30 - 2.32, "all_to_all_v currently supports only inter-node replica groups" (any has_rdispls).
+    if has_rdispls or plat.sdk_release < (2, 33):
         nodes = [r // plat.ranks_per_node for r in ranks]
         local = {r % plat.ranks_per_node for r in ranks}
         if len(set(nodes)) != len(nodes) or len(local) != 1:
-            raise EmulatorError(f"{kind}(has_rdispls=True) on trn2 needs an inter-node rank-list (same-indexed ranks "
-                                f"of different instances, {plat.ranks_per_node} ranks per instance); {ranks} is not one. "
-                                f"Use has_rdispls=False (receive slots of dst.size / group size)")
+            what = f"{kind}(has_rdispls=True)" if plat.sdk_release >= (2, 33) else f"{kind} on SDK {plat.sdk}"
+            hint = ("Use has_rdispls=False (receive slots of dst.size / group size)" if plat.sdk_release >= (2, 33)
+                    else "SDK 2.33 lifts this for has_rdispls=False")
+            raise EmulatorError(f"{what} on trn2 needs an inter-node rank-list (same-indexed ranks of different "
+                                f"instances, {plat.ranks_per_node} ranks per instance); {ranks} is not one. {hint}")
 
 
 def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=False, has_rdispls=False,

@@ -283,7 +283,7 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     in_psum = any(t.buffer is PSUM for t in (dst, data1, data2))
     if integer and engine is _Engine.gpsimd and in_psum:
         raise EmulatorError("tensor_tensor on engine=gpsimd with a PSUM tile: GpSimd Engine cannot access PSUM")
-    if integer and engine is not _Engine.vector and not in_psum:
+    if integer and engine is not _Engine.vector and not in_psum and _core.platform().sdk_release >= (2, 29):
         exact = op.fn(data1._array.astype(np.int64), data2._array.astype(np.int64))
         info = np.iinfo(dst.dtype)
         if (exact < info.min).any() or (exact > info.max).any():

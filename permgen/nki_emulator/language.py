@@ -126,7 +126,8 @@ def static_range(start, stop=None, step=1):
 def dynamic_range(start, stop=None, step=1):
     """A loop run by the device: bounds are ints or VirtualRegisters, read when the loop starts;
     step a compile-time positive int. The loop variable is a register (usable as a scalar_offset,
-    not as a Python int), and every iteration ends in an all-engine barrier (counted)."""
+    not as a Python int). Iterations are counted (Cost.dynamic_iterations); no page says what an iteration
+    costs beyond its instructions."""
     if stop is None:
         start, stop = 0, start
     if isinstance(step, _core.VirtualRegister) or isinstance(step, bool) or not isinstance(step, int) or step < 1:
