@@ -15,6 +15,7 @@ snapshots of 0.3.0 - 0.5.0 under `by_version`; its `source` field names the stub
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 from pathlib import Path
@@ -188,11 +189,15 @@ def _chain(node) -> list[str] | None:
     return None
 
 
-def findings(path: Path, version: str) -> list[str]:
-    doc = surface(version)
+@functools.lru_cache(maxsize=None)
+def uses(path: Path) -> tuple:
+    """What the file's kernels use, in one pass over them:
+    ("name", line, module, [attributes], call or None) for names of NKI modules (a call's positional
+    count and keywords), ("method", line, attribute, call) and ("attribute", line, attribute) on other
+    values, ("getattr", line, attribute) for getattr/hasattr with a literal name."""
     tree = ast.parse(path.read_text())
     modules, imported = _aliases(tree)
-    out = []
+    found = []
 
     def resolve(chain):
         """(module, [attributes]) for a chain rooted at an NKI module alias or an imported NKI name."""
@@ -206,72 +211,90 @@ def findings(path: Path, version: str) -> list[str]:
             return module, [name] + chain[1:]
         return None
 
-    def check_path(node, module, rest) -> list | None:
-        """Problems with module.rest[0].rest[1]..., or the documented parameters of what it names."""
-        if not rest:
-            return None
-        names = doc["modules"].get(module)
-        if names is None or rest[0] not in names:
-            out.append(f"{path.name}:{node.lineno}: {module}.{rest[0]} is not in NKI {version}")
-            return None
-        qualified = f"{module}.{rest[0]}"
-        if len(rest) > 1:
-            if qualified in doc["enum_members"] and rest[1] in doc["enum_members"][qualified] and len(rest) == 2:
-                return None
-            if qualified == "nki.language.tile_size" and rest[1] in doc["tile_size"] and len(rest) == 2:
-                return None
-            out.append(f"{path.name}:{node.lineno}: {'.'.join([module] + rest)} is not in NKI {version}")
-            return None
-        return names[rest[0]]
+    def call(node):
+        return len(node.args), tuple(kw.arg for kw in node.keywords if kw.arg is not None)
 
-    def check_call(node, params, what):
-        if params is None:
-            return
-        if any(p.startswith("**") for p in params):
-            return
-        fixed = [p for p in params if not p.startswith("*")]
-        if not any(p.startswith("*") for p in params) and len(node.args) > len(fixed):
-            out.append(f"{path.name}:{node.lineno}: {what} takes {len(fixed)} parameters in NKI {version}, "
-                       f"called with {len(node.args)} positional arguments")
-        for kw in node.keywords:
-            if kw.arg is not None and kw.arg not in fixed:
-                out.append(f"{path.name}:{node.lineno}: {what}({kw.arg}=...) is not a parameter in NKI {version}")
-
-    tensor_surface = doc["tensor_attributes"] | set(doc["tensor_methods"])
-    for function in _kernel_functions(tree, modules):
-        resolved_attributes = set()
-        for node in ast.walk(function):
-            if isinstance(node, ast.Call):
-                chain = _chain(node.func)
-                target = resolve(chain) if chain else None
-                if target is not None:
-                    params = check_path(node.func, *target)
-                    resolved_attributes.update(id(n) for n in ast.walk(node.func))
-                    check_call(node, params, ".".join([target[0]] + target[1]))
-                elif isinstance(node.func, ast.Attribute) and node.func.attr in doc["tensor_methods"]:
-                    check_call(node, doc["tensor_methods"][node.func.attr], f"NkiTensor.{node.func.attr}")
-                elif (isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
-                      and isinstance(node.args[1], ast.Constant) and node.args[1].value not in tensor_surface):
-                    out.append(f"{path.name}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r}): not an "
-                               f"NkiTensor attribute in NKI {version}")
-        for node in ast.walk(function):
-            if not isinstance(node, ast.Attribute) or id(node) in resolved_attributes:
-                continue
+    def visit(node) -> None:
+        children = None
+        if isinstance(node, ast.Call):
+            chain = _chain(node.func)
+            target = resolve(chain) if chain else None
+            if target is not None:
+                found.append(("name", node.lineno, *target, call(node)))
+                children = node.args + [kw.value for kw in node.keywords]
+            elif isinstance(node.func, ast.Attribute):
+                found.append(("method", node.lineno, node.func.attr, call(node)))
+                children = [node.func.value] + node.args + [kw.value for kw in node.keywords]
+            elif (isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant)):
+                found.append(("getattr", node.lineno, node.args[1].value))
+        elif isinstance(node, ast.Attribute):
             chain = _chain(node)
             target = resolve(chain) if chain else None
             if target is not None:
-                check_path(node, *target)
-                resolved_attributes.update(id(n) for n in ast.walk(node))
-            elif node.attr not in tensor_surface and node.attr not in PYTHON_ATTRIBUTES and not (
-                    node.attr.startswith("__") and node.attr.endswith("__")):
-                out.append(f"{path.name}:{node.lineno}: .{node.attr} is not an NkiTensor attribute or method "
-                           f"in NKI {version}")
-            else:
-                resolved_attributes.add(id(node))
+                found.append(("name", node.lineno, *target, None))
+                return
+            found.append(("attribute", node.lineno, node.attr))
+            children = [node.value]
+        for child in children if children is not None else ast.iter_child_nodes(node):
+            visit(child)
+
+    for function in _kernel_functions(tree, modules):
+        for statement in function.body:
+            visit(statement)
+    return tuple(found)
+
+
+def findings(path: Path, version: str) -> list[str]:
+    """The file's kernels' uses of NKI that NKI `version` does not document."""
+    doc = surface(version)
+    tensor_surface = doc["tensor_attributes"] | set(doc["tensor_methods"])
+    out = []
+
+    def check_call(line, params, what, call):
+        if params is None or call is None or any(p.startswith("**") for p in params):
+            return
+        positional, keywords = call
+        fixed = [p for p in params if not p.startswith("*")]
+        if not any(p.startswith("*") for p in params) and positional > len(fixed):
+            out.append(f"{path.name}:{line}: {what} takes {len(fixed)} parameters in NKI {version}, "
+                       f"called with {positional} positional arguments")
+        out.extend(f"{path.name}:{line}: {what}({k}=...) is not a parameter in NKI {version}"
+                   for k in keywords if k not in fixed)
+
+    def check_attribute(line, attr):
+        if attr not in tensor_surface and attr not in PYTHON_ATTRIBUTES and not (
+                attr.startswith("__") and attr.endswith("__")):
+            out.append(f"{path.name}:{line}: .{attr} is not an NkiTensor attribute or method in NKI {version}")
+
+    for use in uses(path):
+        kind, line = use[0], use[1]
+        if kind == "name":
+            _, _, module, rest, call = use
+            if not rest:
+                continue
+            names = doc["modules"].get(module)
+            if names is None or rest[0] not in names:
+                out.append(f"{path.name}:{line}: {module}.{rest[0]} is not in NKI {version}")
+            elif len(rest) == 1:
+                check_call(line, names[rest[0]], f"{module}.{rest[0]}", call)
+            elif not (len(rest) == 2 and (rest[1] in doc["enum_members"].get(f"{module}.{rest[0]}", ()) or (
+                    f"{module}.{rest[0]}" == "nki.language.tile_size" and rest[1] in doc["tile_size"]))):
+                out.append(f"{path.name}:{line}: {'.'.join([module] + rest)} is not in NKI {version}")
+        elif kind == "method":
+            _, _, attr, call = use
+            check_attribute(line, attr)
+            if attr in doc["tensor_methods"]:
+                check_call(line, doc["tensor_methods"][attr], f"NkiTensor.{attr}", call)
+        elif kind == "attribute":
+            check_attribute(line, use[2])
+        elif use[2] not in tensor_surface:
+            out.append(f"{path.name}:{line}: getattr(..., {use[2]!r}): not an NkiTensor attribute in NKI {version}")
     return sorted(set(out))
 
 
-# Findings the kernels still have, each its own strict xfail so that fixing it is noticed.
+# Findings the kernels still have ("<file>:<line>: <what> ... in NKI <version>" -> why it is not fixed yet),
+# each its own strict xfail, so that fixing one is noticed.
 KNOWN_FINDINGS: dict = {}
 
 
@@ -283,11 +306,10 @@ def test_kernels_use_only_documented_nki(path, version):
 
 
 @pytest.mark.parametrize("finding", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=why))
-                                     for f, why in KNOWN_FINDINGS.items()] or [pytest.param(None, marks=pytest.mark.skip(
-                                         reason="no known findings"))])
-def test_known_finding_is_still_there(finding):
-    path, _, version = finding.partition(" @ ")
-    assert finding not in findings(next(p for p in kernel_files() if p.name == path.split(":")[0]), version)
+                                     for f, why in KNOWN_FINDINGS.items()])
+def test_known_finding_is_fixed(finding):
+    name, version = finding.split(":")[0], finding.rsplit(" ", 1)[1]
+    assert finding not in findings(next(p for p in kernel_files() if p.name == name), version)
 
 
 def test_the_scan_catches_undocumented_use(tmp_path):

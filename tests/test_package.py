@@ -1,11 +1,17 @@
 """A wheel built from the repository installs one import package, permgen, with the generated
-kernels under it (permgen.generated), and importing permgen loads neither torch nor a target."""
+kernels (permgen.generated) and the NKI emulator (permgen.nki_emulator) under it; installed and used
+outside the repository it runs the README's CPU snippet for the NKI variants; importing permgen
+loads neither torch nor a target."""
 
+import os
+import re
 import subprocess
 import sys
 import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import pytest
 
 import permgen
 
@@ -23,17 +29,61 @@ def _build_isolation():
     return ["--no-build-isolation"] if (major, minor) >= (70, 1) else []
 
 
-def test_wheel_installs_only_permgen(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *_build_isolation(),
-                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    wheel, = tmp_path.glob("permgen-*.whl")
+    built, = out.glob("permgen-*.whl")
+    return built
+
+
+def test_wheel_installs_only_permgen(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"permgen", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     for name, variant in permgen.VARIANTS.items():
         for target in variant["targets"]:
             assert f"permgen/generated/{target}/{name}.py" in names
     assert "permgen/generated/__init__.py" in names and "permgen/contract.py" in names
+    for module in ("__init__", "_core", "_cores", "api", "isa", "language", "collectives"):
+        assert f"permgen/nki_emulator/{module}.py" in names
+
+
+def readme_cpu_snippet() -> str:
+    """The README's snippet that runs the NKI variants on CPU tensors from an installed permgen."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("An installed permgen runs the NKI variants on CPU tensors")
+    return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+
+
+def test_installed_wheel_runs_the_nki_variants_on_cpu_outside_the_repository(wheel, tmp_path):
+    """As a new user would: the wheel installed (without its dependencies: torch, numpy and ml_dtypes
+    come from this environment) and the README's CPU snippet run from a directory outside the
+    repository, with no Neuron package; permgen and the emulator must come from the installed wheel."""
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = f"""
+import sys
+from pathlib import Path
+site = Path({str(site)!r})
+assert Path(permgen.__file__).is_relative_to(site), permgen.__file__
+from permgen import nki_emulator
+assert Path(nki_emulator.__file__).is_relative_to(site) and sys.modules["nki"].__nki_emulator__
+assert not any(Path(p).resolve() == Path({str(ROOT)!r}) for p in sys.path if p)
+torch.testing.assert_close(out.float(), x.float(), rtol=1e-2, atol=0)
+assert x.grad is not None and torch.isfinite(x.grad.float()).all() and x.grad.abs().sum() > 0
+print("ok")
+"""
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NEURON_LOGICAL_NC_CONFIG")}
+    env["PYTHONPATH"] = str(site)
+    run = subprocess.run([sys.executable, "-c", readme_cpu_snippet() + checks], capture_output=True, text=True,
+                         cwd=work, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
 
 
 def test_import_permgen_is_light():
