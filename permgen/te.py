@@ -264,7 +264,7 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
         out = mod.unpermute(inp, rim)
         if width == 1:
             return out
-        return out.view(num_tokens, width, -1).transpose(0, 1).reshape(num_tokens * width, -1)
+        return out.view(num_tokens, width, inp.shape[1]).transpose(0, 1).reshape(num_tokens * width, inp.shape[1])
     # The routing columns only give the probs' shape to the checks: a view, no allocation.
     routing = row_map[:1].expand(num_tokens, width)
     rim = RowIdMap(row_map, routing, num_tokens, width, num_experts, num_rows, mod.VARIANT["name"])
