@@ -260,27 +260,6 @@ def routing_error(variant: dict, routing, num_experts: int, width: int) -> Optio
     return None
 
 
-def write_route_tallies(variant: dict, routing, row_map, num_tokens: int, width: int, num_experts: int):
-    """Write the row map's route tallies (permgen.results.RowIdMap.dropped) with torch ops, for a
-    target whose kernels do not count them: routes dropped (slotted routes past the row cap, and
-    the routes without a slot), then those without a slot."""
-    torch = _torch()
-    from .results import route_words
-
-    table = route_words(variant["routing"] == "mask", num_tokens, width)
-    kept = row_map[table + num_experts + 1:table + 2 * num_experts + 1].sum()
-    if variant["routing"] == "mask":
-        routes = (routing != 0).sum(1)
-        slotted = routes.clamp(max=width)
-        unslotted = (routes - slotted).sum()
-        slotted = slotted.sum()
-    else:
-        slotted = ((routing >= 0) & (routing < num_experts)).sum()
-        unslotted = ((routing < -1) | (routing >= num_experts)).sum()
-    row_map[table + 2 * num_experts + 1:table + 2 * num_experts + 3] = torch.stack(
-        (slotted - kept + unslotted, unslotted)).to(torch.int32)
-
-
 def check_unpermute(variant: dict, permuted, row_id_map, merging_probs, restore_shape, row_map_type):
     """Check unpermute's arguments against the variant and the row map permute returned."""
     where = variant["name"]

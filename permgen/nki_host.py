@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from . import neuron_ops
-from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype, scale_kind, write_route_tallies
+from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype, scale_kind
 from .ops import chunk_table
-from .results import RowIdMap, row_map_words
+from .results import RowIdMap, row_map_words, write_route_tallies
 
 # The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
 # columns), and row numbers are computed exactly in fp32.

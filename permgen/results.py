@@ -26,6 +26,24 @@ def row_map_words(mask: bool, num_tokens: int, width: int, num_experts: int) -> 
     return (num_tokens + tail) * max(width, 1)
 
 
+def write_route_tallies(variant: dict, routing, row_map, num_tokens: int, width: int, num_experts: int):
+    """Write the row map's route tallies (permgen.results.RowIdMap.dropped) with torch ops, for a
+    target whose kernels do not count them: routes dropped (slotted routes past the row cap, and
+    the routes without a slot), then those without a slot."""
+    table = route_words(variant["routing"] == "mask", num_tokens, width)
+    kept = row_map[table + num_experts + 1:table + 2 * num_experts + 1].sum()
+    if variant["routing"] == "mask":
+        routes = (routing != 0).sum(1)
+        slotted = routes.clamp(max=width)
+        unslotted = (routes - slotted).sum()
+        slotted = slotted.sum()
+    else:
+        slotted = ((routing >= 0) & (routing < num_experts)).sum()
+        unslotted = ((routing < -1) | (routing >= num_experts)).sum()
+    row_map[table + 2 * num_experts + 1:table + 2 * num_experts + 3] = torch.stack(
+        (slotted - kept + unslotted, unslotted)).to(torch.int32)
+
+
 class RowIdMap(NamedTuple):
     """What permute leaves for unpermute and the backward passes: O(N*k + E) int32 words.
 
