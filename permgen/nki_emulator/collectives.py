@@ -203,7 +203,8 @@ def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
     listed = (lambda x: list(x) if isinstance(x, (list, tuple)) else [])
     return _on_the_rank("ncc.all_to_all_v", _all_to_all_v,
                         (srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls, priority, name),
-                        inputs=listed(srcs) + [metadata_tensor], outputs=listed(dsts) + [metadata_tensor])
+                        inputs=listed(srcs) + [metadata_tensor],
+                        outputs=listed(dsts) + ([] if recv_counts_known else [metadata_tensor]))
 
 
 def _all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls, priority, name):
