@@ -47,10 +47,6 @@ def surface(version: str) -> dict:
 EMULATOR_MODULES = {"nki": api.package(nki_emulator.jit, nki_emulator.simulate), **api.MODULES}
 
 
-def documented_parameters(params: list) -> list:
-    return params
-
-
 def emulated_parameters(obj) -> list:
     names = []
     for p in inspect.signature(obj).parameters.values():

@@ -94,7 +94,7 @@ class Platform:
         """The LNC the environment declares: `lnc`, else NEURON_LOGICAL_NC_CONFIG, else 2."""
         if self.lnc is not None:
             return self.lnc
-        declared = os.environ.get(LNC_VARIABLE)
+        declared = os.environ.get(LNC_VARIABLE, "").strip()
         if not declared:
             return 2
         try:
