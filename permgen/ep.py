@@ -256,29 +256,35 @@ def _inverse_rows(rows, num_src, none):
     return inverse[:num_src].to(torch.int32)
 
 
-def _regroup_table(ops, kept, blocks, num_out, pad):
-    """The chunk table of the receiver's regroup, and the padded segment sizes [L].
+def _regroup_table(kept, blocks, num_out, pad):
+    """The regroup's chunk table (the chunk sort's layout, permgen.ops.chunk_table) and the padded
+    segment sizes [L], built on the device.
 
-    The received rows, then zero rows up to num_out, as chunks in their order: per source s its
-    block of blocks[s] rows, kept[s, l] rows of each local expert l then its empty slots; then
-    (padded variants) each expert's pad rows; then the zero rows left. Output order: per expert,
-    its chunk of every source and its pad rows; then every empty block; then the rest."""
+    Its input is the received rows, per source s a block of blocks[s] rows (kept[s, l] rows of each
+    local expert l, then empty capacity slots), then zero rows up to num_out. Its chunks are the
+    (s, l) runs and, for padded variants, each expert's pad rows (read from the zero rows); in the
+    output, expert by expert, each expert's chunk of every source then its pad rows; the output
+    rows after them are zeros. Empty slots are no chunk: in the inverse sort (combine's direction)
+    they get rows nobody reads."""
     world, local = kept.shape
-    device = kept.device
     real = kept.sum(0)
     segments = _round_up(real, pad)
-    sizes = [torch.cat([kept, (blocks - kept.sum(1))[:, None]], 1).flatten()]
-    source_chunks = torch.arange(world, device=device) * (local + 1)
-    expert = torch.arange(local, device=device)
-    by_expert = source_chunks[None, :] + expert[:, None]  # [L, W]: chunk (s, l) at s * (L + 1) + l
-    last = world * (local + 1)
+    in_start = _exclusive_cumsum(blocks, 0)[:, None] + _exclusive_cumsum(kept, 1)  # [W, L]
+    out_sizes, out_in_start = kept.t(), in_start.t()  # [L, W]: output order
     if pad:
-        sizes.append(segments - real)
-        by_expert = torch.cat([by_expert, (last + expert)[:, None]], 1)
-        last += local
-    sizes.append((num_out - blocks.sum() - (segments - real).sum()).reshape(1))
-    order = torch.cat([by_expert.flatten(), source_chunks + local, torch.arange(last, last + 1, device=device)])
-    return ops.backend.chunk_table(torch.cat(sizes), order), segments
+        padding = segments - real
+        pad_start = blocks.sum() + _exclusive_cumsum(padding, 0)
+        out_sizes = torch.cat([out_sizes, padding[:, None]], 1)
+        out_in_start = torch.cat([out_in_start, pad_start[:, None]], 1)
+    out_start = _exclusive_cumsum(out_sizes.flatten(), 0).view(out_sizes.shape)
+    in_order_start, in_order_out = in_start.flatten(), out_start[:, :world].t().flatten()
+    if pad:
+        in_order_start = torch.cat([in_order_start, pad_start])
+        in_order_out = torch.cat([in_order_out, out_start[:, world]])
+    total, zero = segments.sum().reshape(1), blocks.new_zeros(1)
+    table = torch.stack([torch.cat([out_start.flatten(), total]), torch.cat([out_in_start.flatten(), zero]),
+                         torch.cat([in_order_start, blocks.new_full((1,), num_out)]), torch.cat([in_order_out, zero])])
+    return table.to(torch.int32), segments
 
 
 def _route_counts(ops, routing, num_experts):
@@ -349,8 +355,8 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
 
     with torch.no_grad():  # _Dispatch's backward pass runs permute's backward kernels itself
         if recv_capacity is None:
-            res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, dropped = _dropless_plan(
-                ops, plan, tokens, routing, probs, scale, group, world, local, topk, check)
+            res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, tokens_per_expert, dropped = \
+                _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check)
             blocks = kept.sum(1)
         else:
             res, send_map, pack_rows, kept, dropped = _capacity_plan(ops, plan, tokens, routing, probs, scale, group,
@@ -359,10 +365,13 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
             num_out = world * recv_capacity + (local * (pad - 1) if pad else 0)
             blocks = torch.full((world,), recv_capacity, dtype=torch.int64, device=tokens.device)
         if not pad and (world == 1 or (local == 1 and recv_capacity is None)):
-            table, tokens_per_expert = None, kept.sum(0)  # already (local expert, source) ordered
+            table = None  # the received rows are already in (local expert, source) order
+            if recv_capacity is not None:
+                tokens_per_expert = kept.sum(0)
         else:
-            table, tokens_per_expert = _regroup_table(ops, kept, blocks, num_out, pad)
-    handle = EpHandle(ops, weakref.ref(group), send_map, send_splits, recv_splits, pack_rows, table, num_out, plan.hidden, dropped)
+            table, tokens_per_expert = _regroup_table(kept, blocks, num_out, pad)
+    handle = EpHandle(ops, weakref.ref(group), send_map, send_splits, recv_splits, pack_rows, table, num_out,
+                      plan.hidden, dropped)
     out, out_probs = _Dispatch.apply(handle, res, tokens, probs)
     out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))[0]
     return DispatchResult(out, out_probs, out_scale, tokens_per_expert, handle)
@@ -385,13 +394,19 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
     bad = _bad_routes(ops, routing, num_experts, plan.width) if check else counts.new_zeros(1)
     recv = torch.empty((world, local + 1), dtype=torch.int64, device=device)
     dist.all_to_all_single(recv, torch.cat([counts.view(world, local), bad.expand(world, 1)], 1), group=group)
-    host = torch.cat([counts, recv.flatten()]).tolist()  # the one device-to-host read
-    mine, got = host[:num_experts], [host[num_experts + s * (local + 1):][:local + 1] for s in range(world)]
-    if check and any(g[local] for g in got):
-        _raise_bad_routing(ops, routing, num_experts, plan.width, [g[local] for g in got], dist.get_rank(group))
-    send_splits = [sum(mine[d * local:(d + 1) * local]) for d in range(world)]
-    recv_splits = [sum(g[:local]) for g in got]
-    num_out = sum(_round_up(sum(g[e] for g in got), pad) for e in range(local))
+    # Everything the host needs, summed on the device: after the read the GPU waits for the host
+    # to launch the rows' all-to-all, so the host does as little as it can there.
+    tokens_per_expert = _round_up(recv[:, :local].sum(0), pad)
+    sizes = [counts.view(world, local).sum(1), recv[:, :local].sum(1), recv[:, local],
+             tokens_per_expert.sum().reshape(1)]
+    if pad:
+        sizes.append(_round_up(counts, pad).sum().reshape(1))
+    dropped = torch.zeros(world, dtype=torch.int64, device=device)
+    host = torch.cat(sizes).tolist()  # the one device-to-host read
+    send_splits, recv_splits, bad_per_source = host[:world], host[world:2 * world], host[2 * world:3 * world]
+    num_out = host[3 * world]
+    if check and any(bad_per_source):
+        _raise_bad_routing(ops, routing, num_experts, plan.width, bad_per_source, dist.get_rank(group))
     sent = sum(send_splits)
     pack_rows = None
     if res is not None:
@@ -401,15 +416,14 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
                           check_routing=False)
         send_map = res.row_id_map
     else:
-        permuted_rows = sum(_round_up(c, pad) for c in mine)
+        permuted_rows = host[3 * world + 1]
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=permuted_rows,
                           topk=topk, check_routing=False)
         pack_rows = _chunked_rows(counts, res.row_id_map.segment_offsets[:num_experts].long(),
                                   torch.ones_like(counts), sent)
         offsets = torch.cat([_exclusive_cumsum(counts, 0), counts.sum().reshape(1)])
         send_map = _send_row_map(res.row_id_map, _inverse_rows(pack_rows, permuted_rows, -1), offsets, counts, sent)
-    dropped = torch.zeros(world, dtype=torch.int64, device=device)
-    return res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out, dropped
+    return res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out, tokens_per_expert, dropped
 
 
 def _routes(ops, routing, num_experts):
@@ -447,8 +461,7 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         starts = torch.cat([segment_offsets, column], 1).flatten()
         steps = torch.cat([torch.ones_like(fit), torch.zeros_like(column)], 1).flatten()
         pack_rows = _chunked_rows(sizes, starts, steps, world * capacity)
-        slot_of_row = _inverse_rows(pack_rows, bound + 1, -1)
-        slot_of_row[bound] = -1  # the zero row every empty slot reads
+        slot_of_row = _inverse_rows(pack_rows, bound, -1)  # (row `bound`, the zero row, is no route's)
         slot_starts = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(fit, 1)
         offsets = torch.cat([slot_starts.flatten(), torch.full((1,), world * capacity, device=device)])
         send_map = _send_row_map(res.row_id_map, slot_of_row, offsets, fit.flatten(), world * capacity)
