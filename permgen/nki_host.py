@@ -22,6 +22,7 @@ capacity compiles per (variant, shapes), not one per distinct count.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from typing import Callable, NamedTuple, Optional
 
@@ -38,6 +39,21 @@ from .results import RowIdMap, row_map_words, write_route_tallies
 # columns), and row numbers are computed exactly in fp32.
 MAX_EXPERTS = 512
 MAX_ROWS = 1 << 24
+LNC_VARIABLE = "NEURON_LOGICAL_NC_CONFIG"
+
+
+def logical_cores() -> int:
+    """The LNC (physical cores per logical NeuronCore) the environment declares, which every kernel is launched
+    with as kernel[lnc] (nki.jit, SDK 2.31: "The LNC value must match the NEURON_LOGICAL_NC_CONFIG environment
+    variable set for the Neuron Runtime. Mismatching the two will cause a runtime error"):
+    NEURON_LOGICAL_NC_CONFIG, 1 or 2; unset, 2, the runtime's default on Trn2 ("Logical NeuronCore
+    configuration": LNC=2 "is the default setting on Trainium2 devices"), which the CPU emulator assumes too."""
+    declared = os.environ.get(LNC_VARIABLE, "").strip()
+    if not declared:
+        return 2
+    if declared not in ("1", "2"):
+        raise ValueError(f"{LNC_VARIABLE}={declared!r}: the LNC can only be 1 or 2")
+    return int(declared)
 
 
 def ensure_nki() -> None:
@@ -120,8 +136,10 @@ class NkiBackend:
     # -- launches -------------------------------------------------------------------------------
 
     def _run(self, kernel, *args, **static):
-        """kernel(*args, **static): tensors in, tensors out; static sizes are ints. Neuron tensors go to the
-        kernel as they are (torch-neuronx runs it); CPU tensors through nki.simulate as NumPy arrays."""
+        """kernel[lnc](*args, **static) at the environment's LNC (logical_cores()): tensors in, tensors out;
+        static sizes are ints. Neuron tensors go to the kernel as they are (torch-neuronx runs it); CPU
+        tensors through nki.simulate as NumPy arrays."""
+        kernel = kernel[logical_cores()]
         if neuron_ops.is_neuron(args[0]):
             return kernel(*(a.contiguous() for a in args), **static)
         outs = self.kernels.simulate(kernel)(*(to_kernel(a) for a in args), **static)

@@ -6,9 +6,15 @@ emulator here (strict: poisoned fresh memory, hardware tile limits, indirect DMA
 real simulator where `nki` imports. Moved data must match bit for bit; only sums get tolerances.
 Kernel-level tests call the kernels directly with NumPy arrays. Shapes are small: the emulator
 runs every instruction in Python.
+
+Kernels launch at the LNC the environment declares (NEURON_LOGICAL_NC_CONFIG; unset: 2, the Trn2
+default), so these tests run at LNC=2 (two cores sharing HBM) unless they pin LNC=1. Quantising
+variants run on Trn3: NeuronCore-v3 has no float8_e4m3fn compute, and they refuse it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -43,6 +49,24 @@ def _with(**axes):
     return next(n for n in NKI_VARIANTS if all(load("nki", n).VARIANT[k] == v for k, v in axes.items()))
 
 
+@contextlib.contextmanager
+def generation_for(variant, monkeypatch):
+    """The Trainium generation a variant runs on here: Trn3 (NeuronCore-v4) for quantising variants, which
+    refuse NeuronCore-v3; the default (Trn2) for the others. NEURON_PLATFORM_TARGET_OVERRIDE picks the real
+    simulator's target, nki_emulator.on the emulator's."""
+    if variant["quantize"] == "none":
+        yield
+        return
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    with nki_emulator.on(nki_emulator.Platform("trn3")):
+        yield
+
+
+def launched(kernel):
+    """A kernel as permgen.nki_host launches it: at the environment's LNC."""
+    return kernel[nki_host.logical_cores()]
+
+
 def inputs_and_cap(mod, case, g):
     tokens, routing, probs, scale = make_inputs(mod.VARIANT, case, CPU, g)
     return (tokens, routing, probs, scale), num_out_tokens_for(case, needed_rows(mod.VARIANT, routing, case.E))
@@ -61,12 +85,7 @@ PARAMS = [pytest.param(name, case, hint, id=f"{name}-{case}-topk{'=k' if hint el
           for name in NKI_VARIANTS for case in CASES for hint in hints(name)]
 
 
-@pytest.mark.parametrize("name,case,hint", PARAMS)
-def test_permute_unpermute_and_grads(name, case, hint, request):
-    """permute (rows, probs, scales, segment sizes, the row map's routes), unpermute with and
-    without merging probs, and the gradients of both, against tests/reference.py."""
-    mod = load("nki", name)
-    g = generator_for(request)
+def check_every_op(mod, case, hint, g):
     inputs, cap = inputs_and_cap(mod, case, g)
     topk = case.k if hint else None
     res, routes = check_permute(mod, *inputs, num_experts=case.E, num_out_tokens=cap, topk=topk)
@@ -75,6 +94,72 @@ def test_permute_unpermute_and_grads(name, case, hint, request):
     if mod.VARIANT["probs"]:
         check_unpermute(mod, "nki", res, routes, probs_shape(mod, case), g, merge=False)
     check_permute_backward(mod, *inputs, num_experts=case.E, num_out_tokens=cap, generator=g, topk=topk)
+
+
+@pytest.mark.parametrize("name,case,hint", PARAMS)
+def test_permute_unpermute_and_grads(name, case, hint, request, monkeypatch):
+    """permute (rows, probs, scales, segment sizes, the row map's routes), unpermute with and
+    without merging probs, and the gradients of both, against tests/reference.py (at LNC=2)."""
+    mod = load("nki", name)
+    with generation_for(mod.VARIANT, monkeypatch):
+        check_every_op(mod, case, hint, generator_for(request))
+
+
+LNC1_PARAMS = [pytest.param(name, hint, id=f"{name}-topk{'=k' if hint else ':none'}")
+               for name, hint in [(_with(routing="mask", pad=0, dtype="bf16", probs=True), None),
+                                  (_with(routing="mask", pad=0, dtype="bf16", probs=True), "k"),
+                                  (_with(routing="index", pad=16), None),
+                                  (_with(routing="mask", quantize="mx32"), None)]]
+
+
+@pytest.mark.parametrize("name,hint", LNC1_PARAMS)
+def test_every_op_at_lnc1(name, hint, request, monkeypatch):
+    """The same kernels launched at LNC=1 (one core per logical core), where NEURON_LOGICAL_NC_CONFIG=1."""
+    monkeypatch.setenv(nki_host.LNC_VARIABLE, "1")
+    mod = load("nki", name)
+    with generation_for(mod.VARIANT, monkeypatch):
+        check_every_op(mod, next(c for c in CASES if c.name == "ragged"), hint, generator_for(request))
+
+
+def test_kernels_launch_at_the_lnc_the_environment_declares(monkeypatch):
+    """kernel[lnc] with lnc = NEURON_LOGICAL_NC_CONFIG (unset: 2, the Trn2 default); the emulator fails a
+    launch whose LNC differs from the declared one, as nki.jit says the runtime does."""
+    mod = load("nki", _with(routing="index", probs=False))
+    tokens = torch.randn(20, 8).to(torch.bfloat16)
+    routing = torch.randint(0, 3, (20, 2), dtype=torch.int32)
+    launches = []
+    real = nki_emulator.Kernel.__getitem__
+    monkeypatch.setattr(nki_emulator.Kernel, "__getitem__", lambda k, lnc: launches.append(lnc) or real(k, lnc))
+    for declared, want in ((None, 2), ("1", 1), ("2", 2)):
+        if declared is None:
+            monkeypatch.delenv(nki_host.LNC_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(nki_host.LNC_VARIABLE, declared)
+        launches.clear()
+        mod.permute(tokens, routing, num_experts=3, num_out_tokens=40)
+        assert launches == [want]
+    monkeypatch.setenv(nki_host.LNC_VARIABLE, "4")
+    with pytest.raises(ValueError, match="LNC can only be 1 or 2"):
+        mod.permute(tokens, routing, num_experts=3, num_out_tokens=40)
+    monkeypatch.setenv(nki_host.LNC_VARIABLE, "1")
+    kernel = getattr(mod, f"{mod.VARIANT['name']}_permute")
+    with pytest.raises(nki_emulator.EmulatorError, match="must match"):
+        nki_emulator.simulate(kernel[2])(nki_host.to_kernel(tokens), routing.numpy(), num_experts=3, width=2,
+                                         num_out_tokens=40)
+
+
+@pytest.mark.parametrize("name", [n for n in NKI_VARIANTS if load("nki", n).VARIANT["quantize"] != "none"])
+def test_quantizing_variants_need_neuroncore_v4(name, monkeypatch):
+    """float8_e4m3fn rows come from the compute engines of NeuronCore-v4 (Trn3) on; on NeuronCore-v3
+    (Trn2), which has only float8_e4m3 (largest value 240), the kernel refuses with what it needs."""
+    mod = load("nki", name)
+    case = next(c for c in CASES if c.name == "ragged")
+    inputs, cap = inputs_and_cap(mod, case, torch.Generator().manual_seed(3))
+    with nki_emulator.on(nki_emulator.Platform("trn2")):
+        with pytest.raises(ValueError, match="float8_e4m3fn needs NeuronCore-v4"):
+            mod.permute(*inputs, num_experts=case.E, num_out_tokens=cap)
+    with generation_for(mod.VARIANT, monkeypatch):
+        assert mod.permute(*inputs, num_experts=case.E, num_out_tokens=cap).tokens.dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("name", [_with(routing="mask", pad=0, dtype="bf16"), _with(routing="mask", scale="block128")])
@@ -157,7 +242,9 @@ def _permute_cost(mod, num_experts, k, topk, seed):
     return cost, res
 
 
-def test_mask_permute_indirect_dmas_follow_the_routes_not_the_experts():
+def test_mask_permute_indirect_dmas_follow_the_routes_not_the_experts(monkeypatch):
+    """Counted at LNC=1 (one core's instructions)."""
+    monkeypatch.setenv(nki_host.LNC_VARIABLE, "1")
     mod = load("nki", _with(routing="mask", pad=0, dtype="bf16"))
     for topk in (None, 2):
         small, _ = _permute_cost(mod, 8, 2, topk, seed=1)
@@ -189,7 +276,7 @@ def test_permute_kernel_writes_the_row_map_layout(name, request):
     width = k if mask else routing.shape[1]
     routes = plan_routes(routing, mod.VARIANT["routing"], e, mod.VARIANT["pad"])
     kernel = getattr(mod, f"{name}_permute")
-    out, out_probs, row_map, tokens_per_expert = nki.simulate(kernel)(
+    out, out_probs, row_map, tokens_per_expert = nki.simulate(launched(kernel))(
         nki_host.to_kernel(tokens), routing.int().numpy(), probs.numpy(), num_experts=e, width=width,
         num_out_tokens=routes.num_rows)
     assert row_map.dtype == np.int32 and row_map.shape == ((2 * width + 1) * n + 2 * e + 1 if mask else width * n + 2 * e + 1,)
@@ -226,8 +313,8 @@ def test_sum_routes_kernel_directly():
     dst = np.array([[0, 4], [-1, 2], [3, -1]], dtype=np.int32)
     table = np.array([0, 1, 2, 3, 4, 5, 1, 1, 1, 1, 1], dtype=np.int32)  # 5 experts, one row each
     row_map = np.concatenate([dst.reshape(-1), table])
-    out = nki.simulate(getattr(mod, f"{mod.VARIANT['name']}_sum_routes"))(rows_in, row_map, num_tokens=3, width=2,
-                                                                         num_experts=5)
+    out = nki.simulate(launched(getattr(mod, f"{mod.VARIANT['name']}_sum_routes")))(rows_in, row_map, num_tokens=3,
+                                                                                   width=2, num_experts=5)
     want = np.stack([rows_in[0].astype(np.float32) + rows_in[4], rows_in[2], rows_in[3]])
     assert np.array_equal(out.astype(np.float32), want)
 

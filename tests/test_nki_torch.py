@@ -44,6 +44,7 @@ from cases import (
     to_device,
     variants_for,
 )
+from test_nki_kernels import generation_for
 
 ROOT = Path(__file__).resolve().parent.parent
 NKI_VARIANTS = variants_for("nki")
@@ -116,11 +117,16 @@ def test_every_op_is_registered_through_nki_op(name, neuron):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", BOTH)
-def test_permute_backward_agrees_with_triton(name, request, poisoned_empty):
+def test_permute_backward_agrees_with_triton(name, request, poisoned_empty, monkeypatch):
     """Token gradients (gather-summed: tolerance) and prob gradients (routed back: exact) of the same
     permute on both targets, and the same outputs that carry no gradient."""
     triton_mod, nki_mod = load("triton", name), load("nki", name)
     spec = nki_mod.VARIANT
+    with generation_for(spec, monkeypatch):  # quantising variants: Trn3 (test_nki_kernels.py)
+        backward_agrees(triton_mod, nki_mod, spec, request)
+
+
+def backward_agrees(triton_mod, nki_mod, spec, request):
     g = generator_for(request)
     tokens, routing, probs, scale = make_inputs(spec, CASE, torch.device("cpu"), g)
     cap = needed_rows(spec, routing, CASE.E) - 1  # one route dropped: its gradient is zero on both

@@ -23,6 +23,7 @@ from cases import (
     to_device,
     variants_for,
 )
+from test_nki_kernels import generation_for
 
 BOTH = sorted(set(variants_for("triton")) & set(variants_for("nki")))
 # Small: the CPU Triton interpreter runs one program per token. (NKI's multi-tile shapes are in test_nki_kernels.py.)
@@ -47,9 +48,14 @@ PARAMS = [pytest.param(name, case, topk, id=f"{name}-{case}-topk{topk}") for nam
 
 
 @pytest.mark.parametrize("name,case,topk", PARAMS)
-def test_triton_and_nki_agree(name, case, topk, request):
+def test_triton_and_nki_agree(name, case, topk, request, monkeypatch):
     triton_mod, nki_mod = load_triton(name), load("nki", name)
     spec = nki_mod.VARIANT
+    with generation_for(spec, monkeypatch):  # quantising variants: Trn3 (test_nki_kernels.py)
+        agree(triton_mod, nki_mod, spec, case, topk, request)
+
+
+def agree(triton_mod, nki_mod, spec, case, topk, request):
     g = generator_for(request)
     inputs = make_inputs(spec, case, torch.device("cpu"), g)
     cap = num_out_tokens_for(case, needed_rows(spec, inputs[1], case.E))
