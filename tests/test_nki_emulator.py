@@ -499,6 +499,40 @@ def test_tile_size_constants():
             nl.tile_size.gemm_moving_fmax
 
 
+def test_dma_moves_between_sbuf_and_hbm_only():
+    """nki.isa.dma_copy: "data movement between memory locations (SBUF or HBM)"; tensor_copy: GpSimd
+    Engine cannot access PSUM."""
+    def through(buffer, engine=nisa.engine.unknown):
+        def body(a):
+            staged = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=staged, src=a)
+            tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=buffer)
+            nisa.tensor_copy(dst=tile, src=staged, engine=engine)
+            out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=tile)
+            return out
+        return body
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(run(through(nl.sbuf), a), a)
+    with pytest.raises(EmulatorError, match="src is in PSUM"):
+        run(through(nl.psum), a)
+    with pytest.raises(EmulatorError, match="GpSimd Engine cannot access PSUM"):
+        run(through(nl.psum, engine=nisa.engine.gpsimd), a)
+
+
+def test_matmul_holds_kernels_to_their_promises():
+    def body(a, onezero):
+        t = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        acc = nl.ndarray((a.shape[1], a.shape[1]), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=t, moving=t, is_stationary_onezero=onezero)
+        return a
+    run(lambda a: body(a, True), np.array([[0, 1], [1, 1]], np.float32))
+    run(lambda a: body(a, False), np.array([[0, 2], [1, 1]], np.float32))
+    with pytest.raises(EmulatorError, match="values other than 0 and 1"):
+        run(lambda a: body(a, True), np.array([[0, 2], [1, 1]], np.float32))
+
+
 def test_bitvec_operators_need_integers():
     def body(a):
         f = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)

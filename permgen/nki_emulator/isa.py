@@ -162,6 +162,11 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         raise EmulatorError(f"dma_copy dge_mode must be an nisa.dge_mode member, got {dge_mode!r}")
     if not isinstance(oob_mode, _OobMode):
         raise EmulatorError(f"dma_copy oob_mode must be an nisa.oob_mode member, got {oob_mode!r}")
+    # nki.isa.dma_copy (2.32): "data movement between memory locations (SBUF or HBM)"; "Both src and dst
+    # tiles can be in HBM or SBUF".
+    for side, what in ((dst, "dst"), (src, "src")):
+        if side.buffer is PSUM:
+            raise EmulatorError(f"dma_copy {what} is in PSUM: DMA moves data between SBUF and HBM")
     if isinstance(dst, AccessPattern) and isinstance(src, AccessPattern) and (
             dst._vector_offset is not None and src._vector_offset is not None):
         raise EmulatorError("only one side of a dma_copy may be indirect")
@@ -251,6 +256,10 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _tile(dst, "tensor_copy dst")
     _tile(src, "tensor_copy src")
     _engine(engine, "tensor_copy", (_Engine.unknown, _Engine.vector, _Engine.scalar, _Engine.gpsimd))
+    if engine is _Engine.gpsimd and PSUM in (dst.buffer, src.buffer):
+        # nki.isa.tensor_copy: "since GpSimd Engine cannot access PSUM in NeuronCore, Scalar or Vector Engine
+        # must be chosen when the input or output tile is in PSUM".
+        raise EmulatorError("tensor_copy on engine=gpsimd with a PSUM tile: GpSimd Engine cannot access PSUM")
     _same_shape(dst, src, "tensor_copy")
     if src.dtype == dst.dtype:
         dst._array[...] = src._array
@@ -397,6 +406,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     dst_dtypes = (np.float32,) if _core.platform().nc_version < 4 else (np.float32, _core.bfloat16)
     if not isinstance(dst, Tensor) or dst.buffer is not PSUM or dst.dtype not in dst_dtypes:
         raise EmulatorError("nc_matmul dst must be an fp32 PSUM tile" + ("" if len(dst_dtypes) == 1 else " or bf16"))
+    if tile_position or tile_size or perf_mode is not None:
+        raise EmulatorError("nc_matmul tiling (tile_position, tile_size) and perf_mode are not emulated")
+    # is_*_onezero promise inputs of zeros and ones; the emulator holds the kernel to the promise.
+    for flag, t, what in ((is_stationary_onezero, stationary, "stationary"), (is_moving_onezero, moving, "moving")):
+        if flag and not np.isin(_fp32(t), (0.0, 1.0)).all():
+            raise EmulatorError(f"nc_matmul is_{what}_onezero=True, but the {what} tile holds values other than 0 and 1")
     if is_transpose or accumulate:
         raise EmulatorError("transpose/accumulate matmul modes are not emulated")
     k, m = stationary.shape
