@@ -4,7 +4,8 @@
 
 For every op and shape it reports the median time (triton.testing.do_bench), the bytes the op
 must move, effective GB/s, the ratio to the floor (those bytes at the device-to-device copy
-bandwidth measured in the same run) and the PyTorch-native path's time. permute's time includes
+bandwidth measured in the same run), the PyTorch-native path's time and, where megatron-core is
+installed, the time of its unfused permutation (moe_utils with fused=False). permute's time includes
 all routing-map processing. Writes bench.json and bench.png into --out.
 """
 
@@ -24,6 +25,11 @@ import permgen
 from permgen.contract import combine_dtype, token_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
+
+try:  # megatron-core's unfused permutation: the peer a Megatron user without TransformerEngine runs
+    from megatron.core.transformer.moe import moe_utils as MOE_UTILS
+except ImportError:
+    MOE_UTILS = None
 
 
 SHAPES = [  # name, N, H, E, k
@@ -159,6 +165,37 @@ def torch_unpermute(permuted, probs, src_token, N, dst=None):
 
 # ---- bytes each op must move ------------------------------------------------------------------
 
+def megatron_peer(mod, tokens, ids, probs_topk, N, E, k, grad_out):
+    """(permute, unpermute, permute backward, unpermute backward) callables of megatron-core's
+    unfused permutation (moe_utils.permute / unpermute with fused=False, what a Megatron user runs
+    without TransformerEngine) on a mask of the same routes, or None: megatron-core not installed,
+    or a padded / fp8 variant (megatron-core pads by rerouting tokens, not the same work)."""
+    v = mod.VARIANT
+    if MOE_UTILS is None or v["pad"] or v["dtype"].startswith("fp8"):
+        return None
+    mask = torch.zeros(N, E, dtype=torch.bool, device="cuda").scatter_(1, ids, True)
+    probs = torch.zeros(N, E, device="cuda").scatter_(1, ids, probs_topk)
+    rows = N * k
+
+    def permute(t=tokens, p=probs):
+        return MOE_UTILS.permute(t, mask, probs=p, num_out_tokens=rows, fused=False)
+
+    permuted, _, sorted_indices = permute()
+    expert_out = torch.randn(permuted.shape, device="cuda").to(tokens.dtype)
+
+    def unpermute(x=expert_out, p=probs):
+        return MOE_UTILS.unpermute(x, sorted_indices, tokens.shape, probs=p, routing_map=mask, fused=False)
+
+    tl_, pl_ = tokens.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    out, out_probs, _ = permute(tl_, pl_)
+    grads = [torch.ones_like(out), torch.ones_like(out_probs)]
+    ul_, upl_ = expert_out.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    combined = unpermute(ul_, upl_)
+    return (permute, unpermute,
+            lambda: torch.autograd.grad([out, out_probs], [tl_, pl_], grads, retain_graph=True),
+            lambda: torch.autograd.grad(combined, [ul_, upl_], grad_out, retain_graph=True))
+
+
 def op_bytes(op, mod, N, H, E, k, M, routing, probs):
     """Bytes the op must read + write. R = N * k routed rows; M = rows of the permuted tensor
     (>= R: pad rows and rows past the last segment are written as zeros). Prob grads are written
@@ -287,9 +324,12 @@ def run_variant(name, N, H, E, k, mod, call, copy_bw, results):
     nat_u = torch_unpermute(un, pn2, nat[2], N, nat[3])
     nat_ubwd = lambda: torch.autograd.grad(nat_u, [un, pn2], g_out, retain_graph=True)  # noqa: E731
 
-    for op, fn, native in (("permute", fwd, nat_fwd), ("unpermute", unp, nat_unp),
-                           ("permute_bwd", pbwd, nat_pbwd), ("unpermute_bwd", ubwd, nat_ubwd)):
+    megatron = megatron_peer(mod, tok_native, ids, probs_topk, N, E, k, g_out) or [None] * 4
+
+    for (op, fn, native), peer in zip((("permute", fwd, nat_fwd), ("unpermute", unp, nat_unp),
+                                       ("permute_bwd", pbwd, nat_pbwd), ("unpermute_bwd", ubwd, nat_ubwd)), megatron):
         t = bench(fn)
+        megatron_us = None if peer is None else bench(peer)
         t_graph = (graph_us(fn) if op in ("permute", "unpermute")
                    else backward_graph_us(permute_backward if op == "permute_bwd" else unpermute_backward))
         tn_us = bench(native)
@@ -301,13 +341,17 @@ def run_variant(name, N, H, E, k, mod, call, copy_bw, results):
                    graph_time_us=None if t_graph is None else round(t_graph, 2),
                    graph_ratio_to_floor=None if t_graph is None else round(t_graph / floor_us, 3),
                    torch_us=round(tn_us, 2),
-                   speedup_vs_torch=round(tn_us / t, 2))
+                   speedup_vs_torch=round(tn_us / t, 2),
+                   megatron_us=None if megatron_us is None else round(megatron_us, 2),
+                   speedup_vs_megatron=None if megatron_us is None else round(megatron_us / t, 2))
         results.append(row)
         print(f"{name:15s} {vname:36s} {call:6s} {op:14s} {t:9.1f} us  {row['gbps']:7.0f} GB/s  "
               f"x{row['ratio_to_floor']:.3f} floor  "
               + (f"graph x{row['graph_ratio_to_floor']:.3f}  " if t_graph is not None else " " * 15)
-              + f"torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)", flush=True)
-    del res, pbwd, ubwd, nat, nat2, nat_u
+              + f"torch {tn_us:9.1f} us  ({row['speedup_vs_torch']:.1f}x)"
+              + ("" if megatron_us is None else f"  megatron {megatron_us:9.1f} us  ({row['speedup_vs_megatron']:.1f}x)"),
+              flush=True)
+    del res, pbwd, ubwd, nat, nat2, nat_u, megatron
     torch.cuda.empty_cache()
 
 
