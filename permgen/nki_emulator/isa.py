@@ -408,10 +408,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         raise EmulatorError("nc_matmul dst must be an fp32 PSUM tile" + ("" if len(dst_dtypes) == 1 else " or bf16"))
     if tile_position or tile_size or perf_mode is not None:
         raise EmulatorError("nc_matmul tiling (tile_position, tile_size) and perf_mode are not emulated")
-    # is_*_onezero promise inputs of zeros and ones; the emulator holds the kernel to the promise.
+    # is_*_onezero "hints to the compiler whether the ... operand is a tile with ones/zeros only" (2.32); what
+    # the hint does to other values is not documented, so the emulator holds the kernel to it.
     for flag, t, what in ((is_stationary_onezero, stationary, "stationary"), (is_moving_onezero, moving, "moving")):
         if flag and not np.isin(_fp32(t), (0.0, 1.0)).all():
-            raise EmulatorError(f"nc_matmul is_{what}_onezero=True, but the {what} tile holds values other than 0 and 1")
+            raise EmulatorError(f"nc_matmul is_{what}_onezero=True, but the {what} tile holds values other than 0 and 1 "
+                                f"(what the hint does to them is not documented)")
     if is_transpose or accumulate:
         raise EmulatorError("transpose/accumulate matmul modes are not emulated")
     k, m = stationary.shape
