@@ -78,8 +78,8 @@ def test_permute_and_unpermute(with_probs, num_out_tokens, request):
     cap = N * K if num_out_tokens == "routes" else None
 
     def layer(fused, inp, p):
-        out, permuted_probs, mapping = moe_utils.permute(inp, mask, probs=p if with_probs else None,
-                                                         num_out_tokens=cap, fused=fused)
+        out, permuted_probs, mapping, *_ = moe_utils.permute(inp, mask, probs=p if with_probs else None,
+                                                             num_out_tokens=cap, fused=fused)
         expert_out = out * 2
         if with_probs:
             expert_out = expert_out * permuted_probs[:, None].to(expert_out.dtype)
@@ -104,8 +104,8 @@ def test_fp16_tokens_and_int_mask(request):
     g = generator_for(request)
     mask, probs = routing(g, num_experts=5, k=3)
     tokens = tokens_of(g, torch.float16)
-    fused = moe_utils.permute(tokens, mask.to(torch.int32), probs=probs, fused=True)
-    plain = moe_utils.permute(tokens, mask.to(torch.int32), probs=probs, fused=False)
+    fused = moe_utils.permute(tokens, mask.to(torch.int32), probs=probs * mask, fused=True)
+    plain = moe_utils.permute(tokens, mask.to(torch.int32), probs=probs * mask, fused=False)
     assert_bits_equal(fused[0], plain[0], "permuted tokens")
     assert_bits_equal(fused[1], plain[1], "permuted probs")
     close(moe_utils.unpermute(fused[0], fused[2], tokens.shape, probs=probs, routing_map=mask, fused=True),
@@ -153,7 +153,7 @@ def test_padding_for_quantization(request):
     cap = padded.sum()  # a tensor, as megatron-core's dispatcher passes it
 
     def layer(fused, inp, p):
-        out, permuted_probs, mapping = moe_utils.permute(inp, padded, probs=p, num_out_tokens=cap, fused=fused)
+        out, permuted_probs, mapping, *_ = moe_utils.permute(inp, padded, probs=p, num_out_tokens=cap, fused=fused)
         restored = moe_utils.unpermute(out * permuted_probs[:, None].to(out.dtype), mapping, inp.shape,
                                        routing_map=padded, fused=fused)
         return out, permuted_probs, restored
@@ -164,9 +164,15 @@ def test_padding_for_quantization(request):
     assert_bits_equal(fused[1], plain[1], "permuted probs")
     close(fused[2], plain[2], "unpermuted")
     if "align_size" in inspect.signature(moe_utils.permute).parameters:
-        out, permuted_probs, mapping = moe_utils.permute(tokens, mask, probs=probs * mask, fused=True,
-                                                         align_size=16)
-        assert out.shape[0] % 16 == 0
+        probs = probs * mask
+        out, permuted_probs, mapping, pad_offsets, padded_counts = moe_utils.permute(
+            tokens, mask, probs=probs, fused=True, tokens_per_expert=mask.sum(0), align_size=16)
+        assert bool((padded_counts % 16 == 0).all()) and out.shape[0] == int(padded_counts.sum())
+        restored = moe_utils.unpermute(out * permuted_probs[:, None].to(out.dtype), mapping, tokens.shape,
+                                       routing_map=mask, fused=True, pad_offsets=pad_offsets)
+        plain, plain_probs, plain_mapping, *_ = moe_utils.permute(tokens, mask, probs=probs, fused=False)
+        close(restored, moe_utils.unpermute(plain * plain_probs[:, None].to(plain.dtype), plain_mapping, tokens.shape,
+                                            routing_map=mask, fused=False), "unpermuted after fused padding")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="MoEAlltoAllTokenDispatcher needs CUDA: its constructor makes a "
