@@ -533,6 +533,36 @@ def test_matmul_holds_kernels_to_their_promises():
         run(lambda a: body(a, True), np.array([[0, 2], [1, 1]], np.float32))
 
 
+def test_engine_operand_rules():
+    """memset runs on Vector or GpSimd (and GpSimd cannot reach PSUM); iota takes an up-to-4D pattern;
+    tensor_tensor_scan's operators are arithmetic."""
+    a = np.zeros((2, 4), np.float32)
+
+    def fill(buffer, engine):
+        return lambda a: [nisa.memset(nl.ndarray((2, 4), nl.float32, buffer=buffer), value=1.0, engine=engine), a][1]
+    run(fill(nl.psum, nisa.engine.vector), a)
+    run(fill(nl.sbuf, nisa.engine.gpsimd), a)
+    with pytest.raises(EmulatorError, match="GpSimd Engine cannot access PSUM"):
+        run(fill(nl.psum, nisa.engine.gpsimd), a)
+
+    def iota(pattern):
+        return lambda a: [nisa.iota(nl.ndarray((2, 16), nl.int32, buffer=nl.sbuf), pattern=pattern), a][1]
+    run(iota([[1, 2]] * 4), a)
+    with pytest.raises(EmulatorError, match="up to 4D"):
+        run(iota([[1, 2]] * 4 + [[1, 1]]), a)
+
+    def scan(op1):
+        def body(a):
+            t = nl.ndarray((2, 4), nl.int32, buffer=nl.sbuf)
+            nisa.memset(t, value=1)
+            nisa.tensor_tensor_scan(dst=t, data0=t, data1=t, initial=0, op0=nl.multiply, op1=op1)
+            return a
+        return body
+    run(scan(nl.add), a)
+    with pytest.raises(EmulatorError, match="binary arithmetic operator"):
+        run(scan(nl.bitwise_or), a)
+
+
 def test_bitvec_operators_need_integers():
     def body(a):
         f = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)

@@ -226,8 +226,12 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
+    """dst = value, "using Vector or GpSimd Engine" (nki.isa.memset, 2.32)."""
     _core.count_instruction()
     _tile(dst, "memset dst")
+    _engine(engine, "memset", (_Engine.unknown, _Engine.vector, _Engine.gpsimd))
+    if engine is _Engine.gpsimd and dst.buffer is PSUM:
+        raise EmulatorError("memset on engine=gpsimd into PSUM: GpSimd Engine cannot access PSUM")
     _write(dst, np.full(dst.shape, value, dtype=np.float64 if not _core.is_int(dst.dtype) else np.int64))
 
 
@@ -237,6 +241,8 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     _tile(dst, "iota dst")
     if dst.buffer is not SBUF:
         raise EmulatorError("iota writes SBUF only")
+    if not 1 <= len(pattern) <= 4:
+        raise EmulatorError(f"iota pattern {pattern}: \"a tensor access pattern of up to 4D\" (nki.isa.iota)")
     counts = [int(c) for _, c in pattern]
     if math.prod(counts) != math.prod(dst.shape[1:]):
         raise EmulatorError(f"iota pattern {pattern} makes {math.prod(counts)} values per partition; dst holds {math.prod(dst.shape[1:])}")
@@ -365,6 +371,9 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     _same_shape(dst, data0, "tensor_tensor_scan")
     if data0.buffer is PSUM and data1.buffer is PSUM:
         raise EmulatorError("tensor_tensor_scan inputs cannot both be in PSUM")
+    if op0.kind != "arith" or op1.kind != "arith":
+        raise EmulatorError("tensor_tensor_scan: \"Both op0 and op1 can be any binary arithmetic operator\"; "
+                            f"{op0!r}, {op1!r} given")
     if reverse0 or reverse1:
         raise EmulatorError("reversed scan operands are not emulated")
     prev = _operand(op0, initial, data0, "initial")
