@@ -4,14 +4,17 @@ permute_a2av (dispatch) and unpermute_a2av (combine) run on EP ranks of the emul
 driver; per kernel run the emulator counts the instructions issued (every nki.isa / nki.collectives
 call), the indirect DMAs and the bytes that dma_copy moved (the collectives' own traffic is not
 counted as DMA bytes). The table shows the busiest rank. Routing is uniform: every token picks k
-distinct experts of E, spread evenly over the ranks; the receive capacity is twice the mean.
+distinct experts of E, spread evenly over the ranks; the receive capacity is twice the mean. Each
+generation runs its default exchange (permgen.nki_a2av), at the LNC the environment declares
+(--lnc sets it; at LNC=2 a count is both cores' of the rank together).
 
-    .venv/bin/python benchmarks/nki_a2av_cost.py [--ep 2,8 --tokens 512 --h 1024 --e 64 --k 8]
+    .venv/bin/python benchmarks/nki_a2av_cost.py [--ep 2,8 --tokens 512 --h 1024 --e 64 --k 8] [--lnc 1|2]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +70,10 @@ def main():
     parser.add_argument("--h", type=int, default=1024)
     parser.add_argument("--e", type=int, default=64)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--lnc", choices=("1", "2"), help="the LNC to declare (default: the environment's)")
     args = parser.parse_args()
+    if args.lnc:
+        os.environ["NEURON_LOGICAL_NC_CONFIG"] = args.lnc
     print(f"{args.tokens} tokens per rank, H={args.h}, E={args.e}, k={args.k}, bf16 rows, "
           f"capacity {2 * args.tokens * args.k} rows")
     print("| EP | generation | exchange | kernel | instructions | indirect DMAs | DMA bytes |")

@@ -5,9 +5,11 @@ k=8 by default, every kernel of a training step runs once in the emulator (nki_e
 counts per kernel run the instructions issued (every nki.isa / nki.collectives call, as executed:
 a device loop's body once per iteration), the indirect (gather/scatter) DMAs, the bytes DMAs moved
 (lanes an indirect DMA skips move nothing) and the iterations of nl.dynamic_range loops (each
-ends in an all-engine barrier). Mask routing runs without and with the topk hint.
+ends in an all-engine barrier). Mask routing runs without and with the topk hint. Kernels launch
+at the LNC the environment declares (NEURON_LOGICAL_NC_CONFIG, unset: 2, the Trn2 default; --lnc
+sets it); at LNC=2 a count is both cores' together.
 
-    .venv/bin/python benchmarks/nki_cost.py [--n 4096 --h 4096 --e 64 --k 8] [--root REPO]
+    .venv/bin/python benchmarks/nki_cost.py [--n 4096 --h 4096 --e 64 --k 8] [--lnc 1|2] [--root REPO]
 
 --root counts the generated modules of another checkout (e.g. a `git worktree` of an older
 commit, whose modules had NumPy host functions); the emulator is always this one. Counting needs
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,7 +73,9 @@ def run_torch_api(mod, tokens, routing, probs, e, k, topk):
     name = mod.VARIANT["name"]
     width = topk or (e if mod.VARIANT["routing"] == "mask" else k)
     kernel_routing = (routing != 0).int() if mod.VARIANT["routing"] == "mask" else routing
-    nki.simulate(backend.kernels.expert_counts)(_np(kernel_routing), num_experts=e, width=width)
+    from permgen.nki_host import logical_cores
+
+    nki.simulate(backend.kernels.expert_counts[logical_cores()])(_np(kernel_routing), num_experts=e, width=width)
     res = mod.permute(tokens, routing, probs, num_experts=e, num_out_tokens=cap, topk=topk)
     rows = torch.randn(cap, h).to(torch.bfloat16)
     row_id_map = res.row_id_map
@@ -108,10 +113,15 @@ def main():
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--e", type=int, default=64)
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--lnc", choices=("1", "2"), help="the LNC to declare (default: the environment's)")
     ap.add_argument("--root", type=Path, default=ROOT, help="checkout whose generated/nki modules to count")
     args = ap.parse_args()
+    if args.lnc:
+        os.environ["NEURON_LOGICAL_NC_CONFIG"] = args.lnc
+    from permgen.nki_host import logical_cores
+
     print(f"NKI kernel costs (emulator counts), N={args.n} H={args.h} E={args.e} k={args.k}, bf16 tokens, "
-          f"fp32 probs, num_out_tokens = N*k; modules from {args.root}")
+          f"fp32 probs, num_out_tokens = N*k, LNC={logical_cores()}; modules from {args.root}")
     header = f"| {'variant':<24} | {'topk hint':<9} | {'kernel':<22} | {'instructions':>12} | {'indirect DMAs':>13} | " \
              f"{'DMA bytes':>14} | {'device-loop iters':>17} |"
     print(header)

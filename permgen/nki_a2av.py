@@ -6,31 +6,45 @@ rank receives the rows sent to it, source-major. Combine: the reverse exchange r
 outputs to the ranks they came from, and each rank merges a token's rows with its router probs.
 The rows are opaque here, so one kernel of each serves every variant.
 
-The exchange follows what the Neuron documentation allows on each Trainium generation
-(nki.collectives.all_to_all_v, 2.33, "Current restrictions"), chosen by the `generation` argument:
+The exchange is one of three, each on what the Neuron documentation allows
+(nki.collectives.all_to_all_v "Current restrictions"; nki.collectives.all_to_all), picked by the
+`exchange` argument, or by `generation` when it is None:
 
-- "trn2" (default; no NeuronSwitch): `all_to_all_v` with `has_rdispls=False` (receive
-  displacements are allowed only on inter-node rank-lists there). Source j's rows land in slot j of
-  a receive buffer of EP equal slots (slot = dst size / EP); a local compaction then packs the slots
-  source-major. Send buffers are `S` rows and receive buffers `EP * S` rows, S = max(send rows,
-  capacity): every slot holds what any one peer can send.
-- "trn3" (NeuronSwitch): `all_to_all_v` needs LNC=2, more than one device, and rank-lists of
-  consecutive ranks holding every rank of each device they touch (4 per device under LNC=2). Rank-
-  lists of that form (EP a multiple of 4, at least 8) exchange with `has_rdispls=True` straight
-  into the packed layout. Smaller groups (EP = 2, 4), which all_to_all_v cannot serve there, use
-  `all_to_all` on fixed slots of `recv_capacity` rows (equal on every rank) and the same compaction.
+- "all_to_all_v" (default on "trn2", no NeuronSwitch): `all_to_all_v` with `has_rdispls=False`.
+  Source j's rows land in slot j of a receive buffer of EP equal slots (slot = dst size / EP); a
+  local compaction then packs the slots source-major. Send buffers are `S` rows and receive buffers
+  `EP * S` rows, S = max(send rows, capacity): every slot holds what any one peer can send. On a
+  Trn2 instance this needs SDK 2.33 or newer: 2.30 - 2.32 allow all_to_all_v on Trn2 only on
+  inter-node rank-lists ("currently supports only inter-node replica groups"); 2.33 restricts only
+  receive displacements to them.
+- "all_to_all" (default on "trn3"): `all_to_all` on fixed slots of `recv_capacity` rows (equal on
+  every rank) and the same compaction. Its page restricts no rank-list, so it serves any group, on
+  SDK 2.30 or newer.
+- "all_to_all_v_packed": `all_to_all_v` with `has_rdispls=True` straight into the packed layout. The
+  pages allow it on Trn2 only for inter-node rank-lists (same-indexed ranks of different instances),
+  and on Trn3's NeuronSwitch only at LNC=2, on more than one device, with rank-lists of sequential
+  ranks holding every rank (4 under LNC=2) of each device they touch. Which ranks share a device is
+  not documented (the page's own example rank-lists are [[1, 2, 3, 4], [5, 6, 7, 8]]), so permgen
+  picks this exchange only when asked: the caller, who knows its topology, vouches for it.
+
+LNC: the kernels run at the LNC the environment declares (permgen.nki_host.logical_cores(); trn3's
+all_to_all_v needs LNC=2). At LNC=2 the two physical cores of the logical core (one rank) split
+every row loop by tiles (tile i on core i mod 2, nl.program_id), both issue each collective, and
+`nisa.core_barrier` on a shared HBM tensor separates one core's writes to it from the other core's
+reads, and a collective's results from the cores' reads of them (nki.isa.core_barrier: both cores
+write disjoint parts of a shared tensor, then both consume it).
 
 The host functions take NumPy arrays (bfloat16 and fp8 as ml_dtypes arrays) and run the kernels
-through nki.simulate; on a Trainium host, call the kernels directly. Every rank of the replica
-group calls them together (in the CPU emulator: under nki_emulator.run_ranks, whose Platform
-should name the same generation).
+through nki.simulate; on a Trainium host, call the kernels directly (as kernel[lnc]). Every rank of
+the replica group calls them together (in the CPU emulator: under nki_emulator.run_ranks, whose
+Platform should name the same generation).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .nki_host import ensure_nki
+from .nki_host import ensure_nki, logical_cores
 
 ensure_nki()
 
@@ -46,7 +60,8 @@ H_TILE = 2048  # hidden columns per SBUF tile
 MAX_EXACT = 1 << 24  # whole numbers are exact in fp32 below this
 A2AV_MAX_ELEMENTS = (1 << 32) - 1  # all_to_all_v counts and displacements are uint32 elements
 GENERATIONS = ("trn2", "trn3")
-RANKS_PER_DEVICE = 4  # ranks (logical cores) per device under LNC=2, which trn3's all_to_all_v requires
+EXCHANGES = ("all_to_all_v", "all_to_all", "all_to_all_v_packed")
+DEFAULT_EXCHANGE = {"trn2": "all_to_all_v", "trn3": "all_to_all"}
 # The unsigned integer dtype of each dtype's width, by dtype name (an NkiTensor has a dtype but no item
 # size), for zeroing a tile of any dtype through an integer view.
 _WORD = {str(dtype): word for word, dtypes in ((nl.uint8, (nl.float8_e4m3fn, nl.float8_e4m3, nl.float8_e5m2, nl.uint8, nl.int8)),
@@ -64,19 +79,20 @@ def _odd_part(n):
     return n, shift
 
 
-def exchange_for(replica_group, generation):
-    """How the ranks exchange rows: "a2av_slots" (trn2), "a2av_packed" (trn3, rank-lists of whole
-    devices on at least two devices) or "a2a_slots" (trn3, any other rank-lists)."""
+def exchange_for(replica_group, generation, exchange=None, lnc=2):
+    """The exchange of the module docstring: `exchange`, or the generation's default when it is None,
+    checked against what the pages state (an unknown name, or all_to_all_v on trn3 below LNC=2, is an error)."""
     if generation not in GENERATIONS:
         raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
-    if generation == "trn2":
-        return "a2av_slots"
-    for ranks in _rank_lists(replica_group):
-        devices = sorted({r // RANKS_PER_DEVICE for r in ranks})
-        whole = [r for d in devices for r in range(d * RANKS_PER_DEVICE, (d + 1) * RANKS_PER_DEVICE)]
-        if len(devices) < 2 or list(ranks) != whole:
-            return "a2a_slots"
-    return "a2av_packed"
+    _rank_lists(replica_group)
+    if exchange is None:
+        return DEFAULT_EXCHANGE[generation]
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES} or None, got {exchange!r}")
+    if generation == "trn3" and exchange != "all_to_all" and lnc != 2:
+        raise ValueError(f"exchange {exchange!r} on trn3 needs LNC=2 (all_to_all_v on a NeuronSwitch \"requires "
+                         f"LNC=2\"); this launch runs LNC={lnc}: use exchange='all_to_all'")
+    return exchange
 
 
 def _rank_lists(replica_group):
@@ -89,6 +105,32 @@ def _rank_lists(replica_group):
 # ---------------------------------------------------------------------------------------------
 # Small device helpers
 # ---------------------------------------------------------------------------------------------
+
+def _cores():
+    """(this physical core, cores of the launch): nl.program_id(0) and nl.num_programs() under an LNC
+    launch grid (kernel[lnc]), else (0, 1)."""
+    if nl.program_ndim():
+        return nl.program_id(0), nl.num_programs()
+    return 0, 1
+
+
+def _my_tiles(num_rows):
+    """Starts of the P-row tiles of [0, num_rows) this core handles: tile i on core i mod cores."""
+    core, cores = _cores()
+    return nl.static_range(core * P, num_rows, cores * P)
+
+
+def _sync(data):
+    """Both cores' writes to the shared HBM tensor `data` (or a collective's into it) are done before either
+    core goes on (nisa.core_barrier). One core has nothing to wait for; at LNC=1 the barrier would pair this
+    rank with the other logical core of its HBM stack, another rank."""
+    if _cores()[1] > 1:
+        nisa.core_barrier(data, (0, 1))
+
+
+def _first_core():
+    return _cores()[0] == 0
+
 
 def _zero(tile):
     """Zero a tile through an integer view of its width: all-zero bits are +0.0 in every float format,
@@ -139,10 +181,12 @@ def _metadata(send_f, recv_f, hidden, sends_back=False):
     ep = send_f.shape[1]
     out_f, in_f = (recv_f, send_f) if sends_back else (send_f, recv_f)
     metadata = nl.ndarray((4, ep), dtype=nl.uint32, buffer=nl.shared_hbm)
-    _store_elements(metadata[0:1, :], out_f, hidden)
-    _store_elements(metadata[1:2, :], _exclusive_scan(out_f), hidden)
-    _store_elements(metadata[2:3, :], in_f, hidden)
-    _store_elements(metadata[3:4, :], _exclusive_scan(in_f), hidden)
+    if _first_core():
+        _store_elements(metadata[0:1, :], out_f, hidden)
+        _store_elements(metadata[1:2, :], _exclusive_scan(out_f), hidden)
+        _store_elements(metadata[2:3, :], in_f, hidden)
+        _store_elements(metadata[3:4, :], _exclusive_scan(in_f), hidden)
+    _sync(metadata)
     return metadata
 
 
@@ -155,9 +199,12 @@ def _exchange_counts(send_counts, replica_group):
     counts_u = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=counts_u, src=counts_in)
     count_send = nl.ndarray((ep, 1), dtype=nl.uint32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=count_send, src=counts_u)  # [1, EP] -> [EP, 1]: equal element counts
+    if _first_core():
+        nisa.dma_copy(dst=count_send, src=counts_u)  # [1, EP] -> [EP, 1]: equal element counts
+    _sync(count_send)
     count_recv = nl.ndarray((ep, 1), dtype=nl.uint32, buffer=nl.shared_hbm)
     ncc.all_to_all(srcs=[count_send], dsts=[count_recv], replica_group=replica_group, collective_dim=0)
+    _sync(count_recv)
     recv_u = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.dma_copy(dst=recv_u, src=count_recv)
     send_f = nl.ndarray((1, ep), dtype=nl.float32, buffer=nl.sbuf)
@@ -202,7 +249,7 @@ def _compact(out, slots, slot_rows, starts, counts):
     """out[r] = slots[j * slot_rows + r - starts[j]] for every row r of source j's segment; zero rows
     past the segments. Gathers only the rows out holds (none of a slot's unused tail)."""
     capacity, hidden = out.shape
-    for r0 in nl.static_range(0, capacity, P):
+    for r0 in _my_tiles(capacity):
         rows = min(P, capacity - r0)
         source = _slot_rows(r0, rows, starts, counts, slot_rows)
         for h0 in nl.static_range(0, hidden, H_TILE):
@@ -220,7 +267,7 @@ def _spread(slots, rows_in, num_rows, slot_rows, starts, counts):
     """slots[j * slot_rows + r - starts[j]] = rows_in[r] for the packed rows r < num_rows of segment j
     (the inverse of _compact). A segment longer than slot_rows is an out-of-bounds error."""
     hidden = rows_in.shape[1]
-    for r0 in nl.static_range(0, num_rows, P):
+    for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
         target = _slot_rows(r0, rows, starts, counts, slot_rows)
         for h0 in nl.static_range(0, hidden, H_TILE):
@@ -253,7 +300,7 @@ def _row_total(counts):
 def _copy_rows(dst, src):
     """dst[0:R] = src (HBM [R, H] -> HBM), through SBUF tiles."""
     num_rows, hidden = src.shape
-    for r0 in nl.static_range(0, num_rows, P):
+    for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
         for h0 in nl.static_range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
@@ -267,7 +314,7 @@ def _zero_rows(dst):
     num_rows, hidden = dst.shape
     zeros = nl.ndarray((P, H_TILE), dtype=dst.dtype, buffer=nl.sbuf)
     _zero(zeros)
-    for r0 in nl.static_range(0, num_rows, P):
+    for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
         for h0 in nl.static_range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
@@ -276,19 +323,23 @@ def _zero_rows(dst):
 
 def _exchange(send, out, slot_rows, out_f, in_f, metadata, replica_group, exchange):
     """Move every rank's packed `send` rows (segment j for rank j, sizes out_f) into `out`, source-major
-    packed (segment sizes in_f), by the generation's exchange. out rows past the segments are zero."""
+    packed (segment sizes in_f), by `exchange` (module doc). out rows past the segments are zero. Both cores
+    may have written send; both may read out afterwards."""
     hidden = send.shape[1]
     ep = out_f.shape[1]
     capacity = out.shape[0]
-    if exchange == "a2av_packed":
+    _sync(send)
+    if exchange == "all_to_all_v_packed":
         _zero_rows(out)
+        _sync(out)
         ncc.all_to_all_v(srcs=[send], dsts=[out], replica_group=replica_group, metadata_tensor=metadata,
                          recv_counts_known=True, has_rdispls=True)
+        _sync(out)
         return
     in_starts = _on_every_partition(_exclusive_scan(in_f))
     in_counts = _on_every_partition(in_f)
     slots = nl.ndarray((ep * slot_rows, hidden), dtype=send.dtype, buffer=nl.shared_hbm)
-    if exchange == "a2av_slots":
+    if exchange == "all_to_all_v":
         # Source j's segment lands at slot j (dst size / EP = slot_rows rows); the send buffer is one slot.
         ncc.all_to_all_v(srcs=[send], dsts=[slots], replica_group=replica_group, metadata_tensor=metadata,
                          recv_counts_known=True, has_rdispls=False)
@@ -298,9 +349,12 @@ def _exchange(send, out, slot_rows, out_f, in_f, metadata, replica_group, exchan
         spread = nl.ndarray((ep * slot_rows, hidden), dtype=send.dtype, buffer=nl.shared_hbm)
         out_starts = _on_every_partition(_exclusive_scan(out_f))
         _spread(spread, send, send.shape[0], slot_rows, out_starts, _on_every_partition(out_f))
+        _sync(spread)
         ncc.all_to_all(srcs=[spread], dsts=[slots], replica_group=replica_group, collective_dim=0)
+    _sync(slots)
     _check_fits(_row_total(in_f), capacity)
     _compact(out, slots, slot_rows, in_starts, in_counts)
+    _sync(out)
 
 
 def _check_sizes(num_rows, capacity, hidden, ep, slot_rows):
@@ -316,7 +370,7 @@ def _check_sizes(num_rows, capacity, hidden, ep, slot_rows):
 def _gather_packed(send, hidden_states, packed_source_indices, num_rows):
     """send[i] = hidden_states[packed_source_indices[i]] for i < num_rows; an index outside [0, N) is an error."""
     hidden = hidden_states.shape[1]
-    for r0 in nl.static_range(0, num_rows, P):
+    for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
         source = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=source[0:rows, :], src=packed_source_indices[r0:r0 + rows])
@@ -335,14 +389,15 @@ def _gather_packed(send, hidden_states, packed_source_indices, num_rows):
 
 @nki.jit
 def permute_a2av_kernel(hidden_states, packed_source_indices, send_counts, recv_capacity, replica_group,
-                        generation="trn2"):
+                        generation="trn2", exchange=None):
     """Dispatch routed rows to their expert-parallel ranks.
 
     hidden_states [N, H] rows; packed_source_indices int32 [N], the source row of each packed row,
     destination-major: rows [sum(send_counts[:d]), sum(send_counts[:d + 1])) go to rank d of the
     replica group's rank-list; send_counts int32/uint32 [1, EP] rows per destination, summing to N;
     recv_capacity: static rows of the receive buffer (equal on every rank); replica_group: the EP
-    ncc.ReplicaGroup; generation: "trn2" or "trn3" (static), which picks the exchange (module doc).
+    ncc.ReplicaGroup; generation: "trn2" or "trn3" and exchange: None or one of EXCHANGES (static), which
+    pick the exchange (module doc).
 
     Returns (recv [recv_capacity, H]: the rows every source rank sent here, source-major, each
     source's rows in its packed order, then zero rows; metadata uint32 [4, EP]: send counts, send
@@ -351,14 +406,14 @@ def permute_a2av_kernel(hidden_states, packed_source_indices, send_counts, recv_
     """
     num_rows, hidden = hidden_states.shape
     ep = send_counts.shape[1]
-    exchange = exchange_for(replica_group, generation)
-    slot_rows = recv_capacity if exchange == "a2a_slots" else max(num_rows, recv_capacity)
+    exchange = exchange_for(replica_group, generation, exchange, _cores()[1])
+    slot_rows = recv_capacity if exchange == "all_to_all" else max(num_rows, recv_capacity)
     _check_sizes(num_rows, recv_capacity, hidden, ep, slot_rows)
 
     send_f, recv_f = _exchange_counts(send_counts, replica_group)
     metadata = _metadata(send_f, recv_f, hidden)
     # The packed send buffer; with receive slots it is one slot long (dst = EP x src).
-    send = nl.ndarray((slot_rows if exchange == "a2av_slots" else num_rows, hidden), dtype=hidden_states.dtype,
+    send = nl.ndarray((slot_rows if exchange == "all_to_all_v" else num_rows, hidden), dtype=hidden_states.dtype,
                       buffer=nl.shared_hbm)
     _gather_packed(send, hidden_states, packed_source_indices, num_rows)
     recv = nl.ndarray((recv_capacity, hidden), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
@@ -368,13 +423,13 @@ def permute_a2av_kernel(hidden_states, packed_source_indices, send_counts, recv_
 
 @nki.jit
 def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, merging_probs, replica_group,
-                          generation="trn2"):
+                          generation="trn2", exchange=None):
     """Combine: return expert outputs to the ranks that dispatched them and merge each token's rows.
 
     expert_output [C, H]: one output row per row of permute_a2av's receive buffer, in its order
     (rows past what arrived are ignored); packed_source_indices int32 [N] and send_counts [1, EP]:
     the dispatch's inputs on this rank; merging_probs fp32 [T, k] with N = T * k: routed row
-    t * k + j is token t's slot j; replica_group, generation: as for the dispatch.
+    t * k + j is token t's slot j; replica_group, generation, exchange: as for the dispatch.
 
     Returns out [T, H] in expert_output's dtype: out[t] = sum_j merging_probs[t, j] * (expert output
     of routed row t * k + j), accumulated in fp32.
@@ -383,23 +438,24 @@ def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, mer
     num_rows = packed_source_indices.shape[0]
     num_tokens, top_k = merging_probs.shape
     ep = send_counts.shape[1]
-    exchange = exchange_for(replica_group, generation)
-    slot_rows = capacity if exchange == "a2a_slots" else max(num_rows, capacity)
+    exchange = exchange_for(replica_group, generation, exchange, _cores()[1])
+    slot_rows = capacity if exchange == "all_to_all" else max(num_rows, capacity)
     _check_sizes(num_rows, capacity, hidden, ep, slot_rows)
 
     # What the dispatch sent to j comes back from j, and what it received from j goes back to j.
     sent_f, held_f = _exchange_counts(send_counts, replica_group)
     metadata = _metadata(sent_f, held_f, hidden, sends_back=True)
     # Collective buffers are kernel-internal HBM: copy the expert outputs into the send buffer.
-    send = nl.ndarray((slot_rows if exchange == "a2av_slots" else capacity, hidden), dtype=expert_output.dtype,
+    send = nl.ndarray((slot_rows if exchange == "all_to_all_v" else capacity, hidden), dtype=expert_output.dtype,
                       buffer=nl.shared_hbm)
     _copy_rows(send, expert_output)
     back = nl.ndarray((num_rows, hidden), dtype=expert_output.dtype, buffer=nl.shared_hbm)
     _exchange(send, back, slot_rows, held_f, sent_f, metadata, replica_group, exchange)
 
     # back[i] is the output for routed row packed_source_indices[i]: put it at that row, then merge.
-    by_row = nl.ndarray((num_rows, hidden), dtype=expert_output.dtype, buffer=nl.hbm)
-    for r0 in nl.static_range(0, num_rows, P):
+    # by_row is shared: a core's tiles of back scatter anywhere, and each core merges its own tokens.
+    by_row = nl.ndarray((num_rows, hidden), dtype=expert_output.dtype, buffer=nl.shared_hbm)
+    for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
         where = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=where[0:rows, :], src=packed_source_indices[r0:r0 + rows])
@@ -410,8 +466,9 @@ def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, mer
             nisa.dma_copy(dst=by_row.ap([[hidden, rows], [1, width]], offset=h0, vector_offset=where[0:rows, :],
                                         indirect_dim=0), src=moved[0:rows, 0:width])
 
+    _sync(by_row)
     out = nl.ndarray((num_tokens, hidden), dtype=expert_output.dtype, buffer=nl.shared_hbm)
-    for t0 in nl.static_range(0, num_tokens, P):
+    for t0 in _my_tiles(num_tokens):
         rows = min(P, num_tokens - t0)
         probs = nl.ndarray((P, top_k), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=probs[0:rows, :], src=merging_probs[t0:t0 + rows, :])
@@ -448,7 +505,7 @@ def _array(x, what, shape, dtypes=None):
     return np.ascontiguousarray(x)
 
 
-def _check_routing(packed_source_indices, send_counts, num_rows, replica_group, generation):
+def _check_routing(packed_source_indices, send_counts, num_rows, replica_group, generation, exchange):
     """The checked (packed_source_indices, send_counts) of a dispatch of num_rows rows."""
     if not isinstance(packed_source_indices, np.ndarray) or packed_source_indices.dtype.kind not in "iu":
         raise TypeError("packed_source_indices must be a NumPy integer array")
@@ -462,7 +519,7 @@ def _check_routing(packed_source_indices, send_counts, num_rows, replica_group, 
         raise ValueError(f"send_counts must be non-negative, got {send_counts.tolist()}")
     if int(send_counts.astype(np.int64).sum()) != num_rows:
         raise ValueError(f"send_counts {send_counts.tolist()} must sum to the {num_rows} routed rows")
-    exchange_for(replica_group, generation)
+    exchange_for(replica_group, generation, exchange, logical_cores())
     sizes = {len(ranks) for ranks in _rank_lists(replica_group)}
     if sizes != {send_counts.shape[1]}:
         raise ValueError(f"send_counts has {send_counts.shape[1]} columns but the replica group's rank-lists hold "
@@ -470,7 +527,8 @@ def _check_routing(packed_source_indices, send_counts, num_rows, replica_group, 
     return packed_source_indices.astype(np.int32), send_counts
 
 
-def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacity, replica_group, *, generation="trn2"):
+def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacity, replica_group, *, generation="trn2",
+                 exchange=None):
     """Expert-parallel dispatch of this rank's rows; every rank of replica_group's rank-list calls it together.
 
     hidden_states [N, H] NumPy rows of any NKI dtype (bfloat16 / fp8 as ml_dtypes arrays);
@@ -478,7 +536,9 @@ def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacit
     [sum(send_counts[:d]), sum(send_counts[:d + 1]))); send_counts int32/uint32 [1, EP], non-negative,
     summing to N; recv_capacity rows (>= 1) of the receive buffer, equal on every rank, which must hold
     every row sent to this rank; replica_group an ncc.ReplicaGroup of EP-rank lists; generation
-    "trn2" (default) or "trn3": the Trainium generation whose collectives the exchange uses.
+    "trn2" (default) or "trn3": the Trainium generation whose collectives the exchange uses; exchange
+    None (the generation's default) or one of EXCHANGES (module doc). The kernel runs at the LNC the
+    environment declares (permgen.nki_host.logical_cores()).
 
     Returns (recv [recv_capacity, H] in hidden_states' dtype: rows from rank 0, then rank 1, ..., then
     zeros; metadata uint32 [4, EP]: send counts, send displacements, receive counts, receive
@@ -489,25 +549,25 @@ def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacit
     if hidden == 0:
         raise ValueError("hidden_states must have at least one column")
     packed_source_indices, send_counts = _check_routing(packed_source_indices, send_counts, num_rows, replica_group,
-                                                        generation)
+                                                        generation, exchange)
     if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)) or recv_capacity < 1:
         raise ValueError(f"recv_capacity must be a positive int, got {recv_capacity!r}")
     if num_rows == 0:  # a rank with nothing to send still takes part in the exchange
         hidden_states = np.zeros((1, hidden), dtype=hidden_states.dtype)
         packed_source_indices = np.zeros(1, dtype=np.int32)
-    return nki.simulate(permute_a2av_kernel)(hidden_states, packed_source_indices, send_counts,
-                                             recv_capacity=int(recv_capacity), replica_group=replica_group,
-                                             generation=generation)
+    return nki.simulate(permute_a2av_kernel[logical_cores()])(
+        hidden_states, packed_source_indices, send_counts, recv_capacity=int(recv_capacity),
+        replica_group=replica_group, generation=generation, exchange=exchange)
 
 
 def unpermute_a2av(expert_output, packed_source_indices, send_counts, merging_probs, replica_group, *,
-                   generation="trn2"):
+                   generation="trn2", exchange=None):
     """Expert-parallel combine, the reverse of permute_a2av; every rank of the rank-list calls it together.
 
     expert_output [C, H] NumPy rows (C = the dispatch's recv_capacity), one per row of this rank's
     dispatch receive buffer, in that order; packed_source_indices and send_counts: this rank's
     dispatch inputs; merging_probs float32 [T, k] with N = T * k routed rows (row t * k + j is token
-    t's slot j); replica_group, generation: as for the dispatch.
+    t's slot j); replica_group, generation, exchange: as for the dispatch.
 
     Returns [T, H] in expert_output's dtype: out[t] = sum_j merging_probs[t, j] * the expert output of
     routed row t * k + j, accumulated in fp32.
@@ -521,11 +581,12 @@ def unpermute_a2av(expert_output, packed_source_indices, send_counts, merging_pr
     if top_k == 0:
         raise ValueError("merging_probs must have one column per routed slot (k >= 1)")
     packed_source_indices, send_counts = _check_routing(packed_source_indices, send_counts, num_tokens * top_k,
-                                                        replica_group, generation)
+                                                        replica_group, generation, exchange)
     if num_tokens == 0:  # no tokens here: take part in the exchange with one dummy token, then drop it
-        out = nki.simulate(unpermute_a2av_kernel)(
+        out = nki.simulate(unpermute_a2av_kernel[logical_cores()])(
             expert_output, np.arange(top_k, dtype=np.int32), send_counts, np.zeros((1, top_k), np.float32),
-            replica_group=replica_group, generation=generation)
+            replica_group=replica_group, generation=generation, exchange=exchange)
         return out[:0]
-    return nki.simulate(unpermute_a2av_kernel)(expert_output, packed_source_indices, send_counts, merging_probs,
-                                               replica_group=replica_group, generation=generation)
+    return nki.simulate(unpermute_a2av_kernel[logical_cores()])(
+        expert_output, packed_source_indices, send_counts, merging_probs, replica_group=replica_group,
+        generation=generation, exchange=exchange)

@@ -3,8 +3,10 @@ on EP ranks of the emulator's multi-rank driver, on both Trainium generations.
 
 Each rank packs its routed rows by destination rank and the ranks exchange them by the exchange
 each generation's documentation allows (trn2: all_to_all_v into receive slots, then a compaction;
-trn3: all_to_all_v with receive displacements over whole devices, all_to_all on slots for smaller
-groups); the emulator's Platform enforces the same restrictions. The reference concatenates, on
+trn3: all_to_all on slots; all_to_all_v with receive displacements where the caller asks for it, on
+whole devices); the emulator's Platform enforces the same restrictions. The kernels run at LNC 1 and
+2 (two cores per rank sharing HBM, rows split between them, nisa.core_barrier between their writes
+and reads). The reference concatenates, on
 every rank, the segments each source rank sends it, in source order, then zero rows up to the
 capacity; metadata is checked to the element. The combine's reference is the probability-weighted
 sum of each token's routed rows (identity experts). (The real nki.simulate runs one rank, so
@@ -52,6 +54,7 @@ permute_a2av, unpermute_a2av = nki_a2av.permute_a2av, nki_a2av.unpermute_a2av
 TORCH_DTYPES = {d: getattr(torch, n) for d, n in contract.TOKEN_DTYPE_NAMES.items()}
 DEEP = ["bf16", "fp32", "fp8_e4m3"]  # token dtypes the deep tests run (the kernel depends on no other axis)
 GENERATIONS = ["trn2", "trn3"]
+LNCS = [1, 2]
 
 
 def make_rank_inputs(dtype, ep, seed, hidden=72, top_k=2, experts_per_rank=2, empty_rank=None, silent_pairs=()):
@@ -104,11 +107,12 @@ def reference(ranks, ep, hidden, capacity, group=None):
     return out
 
 
-def run_dispatch(ranks, capacity, group=None, generation="trn2", platform=None):
+def run_dispatch(ranks, capacity, group=None, generation="trn2", platform=None, exchange=None, lnc=None):
     ep = len(ranks)
     replica_group = ReplicaGroup(group or [list(range(ep))])
     args = [(to_kernel(rows), order.numpy(), counts.numpy(), capacity, replica_group) for rows, order, counts, _ in ranks]
-    return run_ranks(permute_a2av, args, [dict(generation=generation)] * ep, platform=platform or Platform(generation))
+    return run_ranks(permute_a2av, args, [dict(generation=generation, exchange=exchange)] * ep,
+                     platform=platform or Platform(generation, lnc=lnc))
 
 
 def check(results, want, hidden):
@@ -128,10 +132,11 @@ def busiest(ranks, ep, hidden=72):
     return max(received for *_, received in reference(ranks, ep, hidden, 10 ** 5).values())
 
 
+@pytest.mark.parametrize("lnc", LNCS)
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("ep", [2, 4, 8])
 @pytest.mark.parametrize("sends", ["uneven", "empty", "full"])
-def test_permute_a2av_matches_reference(generation, ep, sends):
+def test_permute_a2av_matches_reference(generation, ep, sends, lnc):
     """uneven: random counts per peer; empty: one rank without tokens and sources that skip a peer;
     full: the capacity is exactly the busiest rank's receive count (its buffer ends with no padding)."""
     dtype = DEEP[0]
@@ -144,7 +149,28 @@ def test_permute_a2av_matches_reference(generation, ep, sends):
     want = reference(ranks, ep, 72, capacity)
     if silent:
         assert want[ep - 1][1][2, 0] == 0 and want[0][1][2, ep - 1] == 0
-    check(run_dispatch(ranks, capacity, generation=generation), want, 72)
+    check(run_dispatch(ranks, capacity, generation=generation, lnc=lnc), want, 72)
+
+
+@pytest.mark.parametrize("ep", [8, 16])
+def test_packed_exchange_on_whole_trn3_devices(ep):
+    """exchange="all_to_all_v_packed" where the caller vouches for whole devices (rank-lists of 4 ranks per
+    device at LNC=2): all_to_all_v with receive displacements, dispatch and combine."""
+    ranks, capacity = make_rank_inputs(DEEP[0], ep, stable_seed("packed", ep), hidden=24)
+    check(run_dispatch(ranks, capacity, generation="trn3", exchange="all_to_all_v_packed", lnc=2),
+          reference(ranks, ep, 24, capacity), 24)
+    with pytest.raises(ValueError, match="needs LNC=2"):
+        run_dispatch(ranks, capacity, generation="trn3", exchange="all_to_all_v_packed", lnc=1)
+
+
+def test_the_cores_wait_for_each_others_writes(monkeypatch):
+    """At LNC=2 each core writes its tiles of shared buffers that both then read (and collectives read
+    and write): without the core barriers the emulator reports the race."""
+    ranks, capacity = make_rank_inputs(DEEP[0], 2, 9, hidden=24)
+    check(run_dispatch(ranks, capacity, lnc=2), reference(ranks, 2, 24, capacity), 24)
+    monkeypatch.setattr(nki_a2av, "_sync", lambda data: None)
+    with pytest.raises(EmulatorError, match="core_barrier"):
+        run_dispatch(ranks, capacity, lnc=2)
 
 
 @pytest.mark.parametrize("dtype", contract.DTYPES)
@@ -158,9 +184,9 @@ def test_receive_displacements_fail_on_one_trn2_instance():
     documentation rules out: receive displacements only on inter-node rank-lists there."""
     ranks, capacity = make_rank_inputs(DEEP[0], 8, 21, hidden=16)
     with pytest.raises(EmulatorError, match="inter-node rank-list"):
-        run_dispatch(ranks, capacity, generation="trn3", platform=Platform("trn2"))
+        run_dispatch(ranks, capacity, exchange="all_to_all_v_packed", platform=Platform("trn2"))
     # On eight instances (one rank each) the same rank-list is inter-node, and it runs.
-    check(run_dispatch(ranks, capacity, generation="trn3", platform=Platform("trn2", ranks_per_node=1)),
+    check(run_dispatch(ranks, capacity, exchange="all_to_all_v_packed", platform=Platform("trn2", ranks_per_node=1)),
           reference(ranks, 8, 16, capacity), 16)
     # The trn2 exchange uses all_to_all_v, which a NeuronSwitch rejects within one device.
     small, capacity = make_rank_inputs(DEEP[0], 4, 22, hidden=16)
@@ -186,9 +212,10 @@ def make_combine_inputs(dtype, ep, seed, hidden=48, top_k=2, empty_rank=None):
     return ranks, capacity
 
 
-@pytest.mark.parametrize("generation,ep,dtype", [(g, ep, "bf16") for g in GENERATIONS for ep in (2, 4, 8)]
-                         + [("trn2", 4, "fp32"), ("trn3", 8, "fp32")])
-def test_dispatch_identity_experts_combine_returns_the_weighted_rows(generation, ep, dtype):
+@pytest.mark.parametrize("generation,ep,dtype,lnc,exchange",
+                         [(g, ep, "bf16", lnc, None) for g in GENERATIONS for ep in (2, 4, 8) for lnc in LNCS]
+                         + [("trn2", 4, "fp32", 2, None), ("trn3", 8, "fp32", 2, "all_to_all_v_packed")])
+def test_dispatch_identity_experts_combine_returns_the_weighted_rows(generation, ep, dtype, lnc, exchange):
     """dispatch -> identity experts -> combine: every token gets sum_j p[t, j] * its routed row j back,
     on its own rank (the rows of a token differ, so a row returned to the wrong slot shows)."""
     ranks, capacity = make_combine_inputs(dtype, ep, stable_seed("combine", generation, ep), empty_rank=ep - 1)
@@ -196,10 +223,11 @@ def test_dispatch_identity_experts_combine_returns_the_weighted_rows(generation,
 
     def rank(rows, order, counts, probs):
         recv, _ = permute_a2av(to_kernel(rows), order.numpy(), counts.numpy(), capacity, replica_group,
-                               generation=generation)
-        return unpermute_a2av(recv, order.numpy(), counts.numpy(), probs.numpy(), replica_group, generation=generation)
+                               generation=generation, exchange=exchange)
+        return unpermute_a2av(recv, order.numpy(), counts.numpy(), probs.numpy(), replica_group, generation=generation,
+                              exchange=exchange)
 
-    results = run_ranks(rank, ranks, platform=Platform(generation))
+    results = run_ranks(rank, ranks, platform=Platform(generation, lnc=lnc))
     for r, ((rows, _, _, probs), got) in enumerate(zip(ranks, results)):
         num_tokens, top_k = probs.shape
         slots = rows.float().reshape(num_tokens, top_k, rows.shape[1])
@@ -261,13 +289,13 @@ def test_strided_rank_lists(generation):
     check(run_dispatch(rerouted, capacity, group, generation=generation), reference(rerouted, 4, 72, capacity, group), 72)
 
 
-@pytest.mark.parametrize("generation,ep", [("trn2", 2), ("trn3", 2), ("trn3", 8)])
-def test_receive_capacity_overflow_is_an_error(generation, ep):
+@pytest.mark.parametrize("generation,ep,exchange", [("trn2", 2, None), ("trn3", 2, None), ("trn3", 8, "all_to_all_v_packed")])
+def test_receive_capacity_overflow_is_an_error(generation, ep, exchange):
     """One row more than the capacity fails on the device: in the collective (receive displacements)
     or in the capacity check before the compaction (receive slots)."""
     ranks, _ = make_rank_inputs(DEEP[0], ep, 3, hidden=16)
     with pytest.raises(EmulatorError, match="receive capacity exceeded|out of bounds"):
-        run_dispatch(ranks, busiest(ranks, ep, 16) - 1, generation=generation)
+        run_dispatch(ranks, busiest(ranks, ep, 16) - 1, generation=generation, exchange=exchange)
 
 
 def test_bad_counts_and_indices():
@@ -296,7 +324,7 @@ def test_bad_counts_and_indices():
 
     # Past the host checks, the kernel itself is strict: counts beyond the send buffer (one receive
     # slot: max(N, capacity) rows), indices out of range.
-    kernel = nki_a2av.permute_a2av_kernel
+    kernel = nki_a2av.permute_a2av_kernel[nki_a2av.logical_cores()]
     other = ranks[1]
     peer = (to_kernel(other[0]), other[1].numpy(), other[2].numpy(), capacity, group)
     beyond = counts.numpy().copy()
@@ -307,8 +335,9 @@ def test_bad_counts_and_indices():
         run_ranks(kernel, [(args[0], out_of_range, args[2], capacity, group), peer])
 
 
-def test_metadata_elements_are_exact_past_fp32():
-    """rows * H beyond 2^24 (fp32's exact integers) still comes out exact."""
+def test_metadata_elements_are_exact_past_fp32(monkeypatch):
+    """rows * H beyond 2^24 (fp32's exact integers) still comes out exact (one core: LNC=1)."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     module = nki_a2av
     rows = np.array([[499_999, 3, 131_071, 0]], dtype=np.float32)
 
@@ -324,15 +353,24 @@ def test_metadata_elements_are_exact_past_fp32():
 
 
 def test_each_generation_picks_a_documented_exchange():
-    """trn2: all_to_all_v into receive slots; trn3: receive displacements only for rank-lists of whole
-    devices (4 ranks each under LNC=2) on two or more devices, else all_to_all on slots."""
+    """trn2: all_to_all_v into receive slots (SDK 2.33's rule); trn3: all_to_all on slots, which no page
+    restricts. Receive displacements only when asked (no page says which ranks share a device), and on
+    trn3 only at LNC=2 ("requires LNC=2")."""
     exchange_for = nki_a2av.exchange_for
-    assert exchange_for(ReplicaGroup([list(range(8))]), "trn2") == "a2av_slots"
-    assert exchange_for(ReplicaGroup([list(range(8))]), "trn3") == "a2av_packed"
-    assert exchange_for(ReplicaGroup([list(range(8)), list(range(8, 16))]), "trn3") == "a2av_packed"
-    assert exchange_for(ReplicaGroup([[0, 1, 2, 3]]), "trn3") == "a2a_slots"  # one device
-    assert exchange_for(ReplicaGroup([[0, 4], [1, 5], [2, 6], [3, 7]]), "trn3") == "a2a_slots"  # partial devices
-    assert exchange_for(ReplicaGroup([[4, 5, 6, 7, 8, 9, 10, 11]]), "trn3") == "a2av_packed"
+    group = ReplicaGroup([list(range(8))])
+    assert exchange_for(group, "trn2") == "all_to_all_v"
+    assert exchange_for(group, "trn3") == "all_to_all"
+    assert exchange_for(ReplicaGroup([[0, 4], [1, 5], [2, 6], [3, 7]]), "trn3") == "all_to_all"
+    assert exchange_for(group, "trn3", "all_to_all_v_packed", lnc=2) == "all_to_all_v_packed"
+    assert exchange_for(group, "trn2", "all_to_all_v_packed", lnc=1) == "all_to_all_v_packed"
+    assert exchange_for(group, "trn3", "all_to_all", lnc=1) == "all_to_all"
+    for exchange in ("all_to_all_v", "all_to_all_v_packed"):
+        with pytest.raises(ValueError, match="needs LNC=2"):
+            exchange_for(group, "trn3", exchange, lnc=1)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        exchange_for(group, "trn2", "alltoall")
+    with pytest.raises(TypeError, match="ncc.ReplicaGroup"):
+        exchange_for([[0, 1]], "trn2")
 
 
 def test_trn2_receive_buffers_are_ep_times_the_send_buffer(monkeypatch):
@@ -356,6 +394,6 @@ def test_trn2_receive_buffers_are_ep_times_the_send_buffer(monkeypatch):
         return unpermute_a2av(recv, order.numpy(), counts.numpy(), probs.numpy(), group)
 
     run_ranks(rank, ranks)
-    assert len(seen) == 8  # a dispatch and a combine on each of 4 ranks
+    assert len(seen) == 8 * nki_a2av.logical_cores()  # a dispatch and a combine on each of 4 ranks, by each core
     for src, dst, ep, has_rdispls in seen:
         assert not has_rdispls and dst == (ep * src[0], src[1])
