@@ -55,8 +55,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .contract import _is_int, check_permute, check_tensor, combine_dtype, prob_dtypes, routing_error
-from .results import RowIdMap, route_words
+from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
+                       scale_columns, scale_dtype)
+from .results import RowIdMap, route_words, row_map_words
 
 
 @dataclass
@@ -345,36 +346,60 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
     plan = check_permute(ops.variant, tokens, routing, probs, scale, num_experts, None, topk, False)
     num_experts = plan.num_experts
     ops.backend.check_device(tokens)
-    world = _check_group(name, group, tokens.device)
+    compiling = torch.compiler.is_compiling()
+    world = group.size() if compiling else _check_group(name, group, tokens.device)
     if num_experts % world:
         raise ValueError(f"{name}: num_experts={num_experts} must be divisible by the group's {world} ranks "
                          "(experts are split evenly over the ranks)")
-    local = num_experts // world
-    pad = ops.variant["pad"]
     check = recv_capacity is None if check_routing is None else check_routing
-
+    if compiling:
+        if recv_capacity is None or check:
+            raise ValueError(f"{name}: under torch.compile dispatch needs recv_capacity (dropless mode and "
+                             "check_routing read sizes back from the device)")
+        return _COMPILED_EP[ops.prefix].dispatch(tokens, routing, probs, scale, group, num_experts, plan.width,
+                                                 recv_capacity, topk)
     with torch.no_grad():  # _Dispatch's backward pass runs permute's backward kernels itself
-        if recv_capacity is None:
-            res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, tokens_per_expert, dropped = \
-                _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check)
-            blocks = kept.sum(1)
-        else:
-            res, send_map, pack_rows, kept, dropped = _capacity_plan(ops, plan, tokens, routing, probs, scale, group,
-                                                                     world, local, topk, recv_capacity, check)
-            send_splits = recv_splits = [recv_capacity] * world
-            num_out = world * recv_capacity + (local * (pad - 1) if pad else 0)
-            blocks = torch.full((world,), recv_capacity, dtype=torch.int64, device=tokens.device)
-        if not pad and (world == 1 or (local == 1 and recv_capacity is None)):
-            table = None  # the received rows are already in (local expert, source) order
-            if recv_capacity is not None:
-                tokens_per_expert = kept.sum(0)
-        else:
-            table, tokens_per_expert = _regroup_table(kept, blocks, num_out, pad)
-    handle = EpHandle(ops, weakref.ref(group), send_map, send_splits, recv_splits, pack_rows, table, num_out,
-                      plan.hidden, dropped)
+        res, handle, tokens_per_expert = _plan(ops, plan, tokens, routing, probs, scale, group, world, topk,
+                                               recv_capacity, check)
     out, out_probs = _Dispatch.apply(handle, res, tokens, probs)
     out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))[0]
     return DispatchResult(out, out_probs, out_scale, tokens_per_expert, handle)
+
+
+def _plan(ops, plan, tokens, routing, probs, scale, group, world, topk, recv_capacity, check):
+    """permute, the split sizes and the regroup: (PermuteResult, EpHandle, tokens_per_expert)."""
+    local = plan.num_experts // world
+    pad = ops.variant["pad"]
+    if recv_capacity is None:
+        res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, tokens_per_expert, dropped = \
+            _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check)
+        blocks = kept.sum(1)
+    else:
+        res, send_map, pack_rows, kept, dropped = _capacity_plan(ops, plan, tokens, routing, probs, scale, group,
+                                                                 world, local, topk, recv_capacity, check)
+        send_splits = recv_splits = [recv_capacity] * world
+        num_out = _capacity_rows(world, local, pad, recv_capacity)
+        blocks = torch.full((world,), recv_capacity, dtype=torch.int64, device=tokens.device)
+    if _regroup_needed(world, local, pad, recv_capacity):
+        table, tokens_per_expert = _regroup_table(kept, blocks, num_out, pad)
+    else:
+        table = None  # the received rows are already in (local expert, source) order
+        if recv_capacity is not None:
+            tokens_per_expert = kept.sum(0)
+    handle = EpHandle(ops, weakref.ref(group), send_map, send_splits, recv_splits, pack_rows, table, num_out,
+                      plan.hidden, dropped)
+    return res, handle, tokens_per_expert
+
+
+def _capacity_rows(world, local, pad, capacity):
+    """Rows of a capacity-mode dispatch's output."""
+    return world * capacity + (local * (pad - 1) if pad else 0)
+
+
+def _regroup_needed(world, local, pad, capacity):
+    """Whether received rows need the chunk sort: not with one rank, nor with one local expert and no
+    capacity slots, unless padded."""
+    return bool(pad) or not (world == 1 or (local == 1 and capacity is None))
 
 
 def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check):
@@ -495,11 +520,219 @@ def run_combine(ops, expert_out, handle, merging_probs=None):
         send_map = handle.send_map
         check_tensor(ops.variant, "merging_probs", merging_probs, (send_map.num_tokens, send_map.routing.shape[1]),
                      prob_dtypes(), device)
+    if torch.compiler.is_compiling():
+        return _COMPILED_EP[ops.prefix].combine(expert_out, handle, merging_probs)
     return _Combine.apply(handle, expert_out, merging_probs)
 
 
+# -- torch.compile: capacity mode as custom ops ------------------------------------------------------
+
+_COMPILED_EP = {}  # ops.prefix -> _EpOps
+
+
+def _empty(like, *shape, dtype=None):
+    return like.new_empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+class _EpOps:
+    """Capacity-mode dispatch and combine of one variant as torch.library custom ops, so that
+    torch.compile(fullgraph=True) sees each as one opaque op with static shapes (its sizes depend on
+    the group's size, num_experts and recv_capacity only), with their backward passes as ops too.
+    They run the eager code; absent outputs are empty tensors. Registered in the `permgen`
+    namespace as `<target>_<variant>_ep_dispatch`, `_ep_dispatch_backward`, `_ep_combine`,
+    `_ep_combine_backward`. The group travels as its name (torch.distributed resolves it)."""
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.op = {}
+        sizes = "str group_name, SymInt num_tokens, SymInt width, SymInt num_experts, SymInt capacity"
+        defs = {
+            "dispatch": (self._dispatch, self._dispatch_fake,
+                         "(Tensor tokens, Tensor routing, Tensor? probs, Tensor? scale, str group_name, "
+                         "SymInt num_experts, SymInt width, SymInt capacity, SymInt? topk) -> (Tensor out, "
+                         "Tensor out_probs, Tensor out_scale, Tensor tokens_per_expert, Tensor send_row_map, "
+                         "Tensor table, Tensor dropped)"),
+            "dispatch_backward": (self._dispatch_backward, self._dispatch_backward_fake,
+                                  f"(Tensor send_row_map, Tensor table, Tensor? grad_out, Tensor? grad_probs, {sizes}, "
+                                  "SymInt prob_columns, ScalarType probs_dtype) -> (Tensor grad_tokens, "
+                                  "Tensor grad_probs)"),
+            "combine": (self._combine, self._combine_fake,
+                        f"(Tensor expert_out, Tensor send_row_map, Tensor table, Tensor? merging_probs, {sizes}) "
+                        "-> (Tensor out, Tensor returned)"),
+            "combine_backward": (self._combine_backward, self._combine_backward_fake,
+                                 f"(Tensor send_row_map, Tensor table, Tensor grad, Tensor returned, "
+                                 f"Tensor? merging_probs, {sizes}) -> (Tensor grad_expert_out, Tensor grad_probs)"),
+        }
+        ns = getattr(torch.ops, "permgen")
+        for op, (impl, fake, schema) in defs.items():
+            custom = torch.library.custom_op(f"permgen::{ops.prefix}_ep_{op}", impl, mutates_args=(), schema=schema)
+            custom.register_fake(fake)
+            if op == "dispatch":
+                custom.register_autograd(self._dispatch_grad, setup_context=self._dispatch_setup)
+            elif op == "combine":
+                custom.register_autograd(self._combine_grad, setup_context=self._combine_setup)
+            self.op[op] = getattr(ns, f"{ops.prefix}_ep_{op}").default
+
+    # -- the handle from the ops' arguments --------------------------------------------------------
+
+    def _sizes(self, group, num_experts, capacity):
+        """(group, world size, rows of dispatch's output); group: a ProcessGroup, or its name."""
+        if isinstance(group, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(group)
+        world = group.size()
+        return group, world, _capacity_rows(world, num_experts // world, self.ops.variant["pad"], capacity)
+
+    def _handle(self, send_row_map, table, group, num_tokens, width, num_experts, capacity, hidden, routing=None):
+        group, world, num_out = self._sizes(group, num_experts, capacity)
+        send_map = RowIdMap(send_row_map, routing, num_tokens, width, num_experts, world * capacity, self.ops.name)
+        return EpHandle(self.ops, weakref.ref(group), send_map, [capacity] * world, [capacity] * world, None,
+                        table if table.numel() else None, num_out, hidden, None)
+
+    def _row_map_words(self, world, num_tokens, width, num_experts):
+        if world == 1 and not self.ops.variant["pad"]:  # permute's own map (see _capacity_plan)
+            return row_map_words(self.ops.mask, num_tokens, width, num_experts)
+        return route_words(self.ops.mask, num_tokens, width) + 2 * num_experts + 1  # _send_row_map's
+
+    # -- dispatch ----------------------------------------------------------------------------------
+
+    def dispatch(self, tokens, routing, probs, scale, group, num_experts, width, capacity, topk):
+        ops = self.ops
+        out, out_probs, out_scale, tokens_per_expert, send_row_map, table, dropped = self.op["dispatch"](
+            tokens, routing, probs, scale, group.group_name, num_experts, width, capacity, topk)
+        handle = self._handle(send_row_map, table, group, tokens.shape[0], width, num_experts, capacity,
+                              tokens.shape[1], routing)
+        handle.dropped = dropped
+        return DispatchResult(out, out_probs if ops.has_probs else None, out_scale if ops.has_scale else None,
+                              tokens_per_expert, handle)
+
+    def _dispatch(self, tokens, routing, probs, scale, group_name, num_experts, width, capacity, topk):
+        ops = self.ops
+        group, world, _ = self._sizes(group_name, num_experts, capacity)
+        plan = check_permute(ops.variant, tokens, routing, probs, scale, num_experts, None, topk, False)
+        res, h, tokens_per_expert = _plan(ops, plan, tokens, routing, probs, scale, group, world, topk, capacity,
+                                          False)
+        out, out_probs = _to_experts(h, _pack(h, res.tokens), None if res.probs is None else _pack(h, res.probs))
+        out_scale = _to_experts(h, _pack(h, res.scale))[0] if res.scale is not None else _empty(tokens, 0, 0)
+        table = h.table if h.table is not None else _empty(tokens, 0, 0, dtype=torch.int32)
+        return (out, out_probs if out_probs is not None else _empty(tokens, 0, dtype=torch.float32), out_scale,
+                tokens_per_expert, h.send_map.row_map, table, h.dropped)
+
+    def _dispatch_fake(self, tokens, routing, probs, scale, group_name, num_experts, width, capacity, topk):
+        ops, variant = self.ops, self.ops.variant
+        _, world, num_out = self._sizes(group_name, num_experts, capacity)
+        local, pad = num_experts // world, variant["pad"]
+        hidden = tokens.shape[1]
+        out = _empty(tokens, num_out, hidden, dtype=out_dtype(variant))
+        out_probs = _empty(tokens, 0, dtype=torch.float32) if probs is None else _empty(probs, num_out)
+        out_scale = _empty(tokens, 0, 0)
+        if ops.has_scale:
+            out_scale = _empty(tokens, num_out, scale_columns(variant, hidden), dtype=scale_dtype(variant))
+        chunks = world * local + (local if pad else 0)
+        table = _empty(tokens, *((4, chunks + 1) if _regroup_needed(world, local, pad, capacity) else (0, 0)),
+                       dtype=torch.int32)
+        words = self._row_map_words(world, tokens.shape[0], width, num_experts)
+        return (out, out_probs, out_scale, _empty(tokens, local, dtype=torch.int64),
+                _empty(tokens, words, dtype=torch.int32), table, _empty(tokens, world, dtype=torch.int64))
+
+    def _dispatch_setup(self, ctx, inputs, output):
+        tokens, _, probs, _, group_name, num_experts, width, capacity, _ = inputs
+        ctx.save_for_backward(output[4], output[5])
+        ctx.sizes = (group_name, tokens.shape[0], width, num_experts, capacity)
+        ctx.probs_meta = (0, torch.float32) if probs is None else (probs.shape[1], probs.dtype)
+        if self.ops.fp8 or self.ops.quantizes:
+            ctx.mark_non_differentiable(output[0])
+        ctx.set_materialize_grads(False)
+
+    def _dispatch_grad(self, ctx, grad_out, grad_probs, *_):
+        send_row_map, table = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_out = grad_out if needs[0] else None
+        grad_probs = grad_probs if needs[2] else None
+        if grad_out is None and grad_probs is None:
+            return (None,) * 9
+        grad_tokens, grad_in_probs = self.op["dispatch_backward"](send_row_map, table, grad_out, grad_probs,
+                                                                  *ctx.sizes, *ctx.probs_meta)
+        return (grad_tokens if grad_out is not None else None, None,
+                grad_in_probs if grad_probs is not None else None, *(None,) * 6)
+
+    def _dispatch_backward(self, send_row_map, table, grad_out, grad_probs, group_name, num_tokens, width,
+                           num_experts, capacity, prob_columns, probs_dtype):
+        hidden = 0 if grad_out is None else grad_out.shape[1]
+        h = self._handle(send_row_map, table, group_name, num_tokens, width, num_experts, capacity, hidden)
+        rows, row_probs = _to_sources(h, grad_out, grad_probs)
+        grad_tokens, grad_in_probs = self.ops.backend.permute_backward(
+            h.send_map, rows, row_probs, None if row_probs is None else ((num_tokens, prob_columns), probs_dtype))
+        return (grad_tokens if grad_tokens is not None else _empty(send_row_map, num_tokens, 0, dtype=torch.float32),
+                grad_in_probs if grad_in_probs is not None else _empty(send_row_map, num_tokens, 0,
+                                                                       dtype=torch.float32))
+
+    def _dispatch_backward_fake(self, send_row_map, table, grad_out, grad_probs, group_name, num_tokens, width,
+                                num_experts, capacity, prob_columns, probs_dtype):
+        grad_tokens = (_empty(send_row_map, num_tokens, 0, dtype=torch.float32) if grad_out is None
+                       else _empty(grad_out, num_tokens, grad_out.shape[1]))
+        grad_probs = (_empty(send_row_map, num_tokens, 0, dtype=torch.float32) if grad_probs is None
+                      else _empty(send_row_map, num_tokens, prob_columns, dtype=probs_dtype))
+        return grad_tokens, grad_probs
+
+    # -- combine -----------------------------------------------------------------------------------
+
+    def combine(self, expert_out, handle, merging_probs):
+        m = handle.send_map
+        return self.op["combine"](expert_out, m.row_map, handle.table if handle.table is not None else
+                                  _empty(m.row_map, 0, 0), merging_probs, handle.group.group_name, m.num_tokens,
+                                  m.width, m.num_experts, handle.send_splits[0])[0]
+
+    def _combine(self, expert_out, send_row_map, table, merging_probs, group_name, num_tokens, width, num_experts,
+                 capacity):
+        h = self._handle(send_row_map, table, group_name, num_tokens, width, num_experts, capacity,
+                         expert_out.shape[1])
+        returned = _to_sources(h, expert_out)[0]
+        return self.ops.backend.unpermute(h.send_map, returned, merging_probs), returned
+
+    def _combine_fake(self, expert_out, send_row_map, table, merging_probs, group_name, num_tokens, width,
+                      num_experts, capacity):
+        _, world, _ = self._sizes(group_name, num_experts, capacity)
+        hidden = expert_out.shape[1]
+        return _empty(expert_out, num_tokens, hidden), _empty(expert_out, world * capacity, hidden)
+
+    def _combine_setup(self, ctx, inputs, output):
+        expert_out, send_row_map, table, merging_probs = inputs[:4]
+        ctx.merging = merging_probs is not None
+        ctx.save_for_backward(send_row_map, table, output[1], *((merging_probs,) if ctx.merging else ()))
+        ctx.sizes = inputs[4:]
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    def _combine_grad(self, ctx, grad, _):
+        if grad is None:
+            return (None,) * 9
+        send_row_map, table, returned, *merging = ctx.saved_tensors
+        grad_expert_out, grad_probs = self.op["combine_backward"](send_row_map, table, grad, returned,
+                                                                  merging[0] if merging else None, *ctx.sizes)
+        needs = ctx.needs_input_grad
+        return (grad_expert_out if needs[0] else None, None, None, grad_probs if ctx.merging and needs[3] else None,
+                *(None,) * 5)
+
+    def _combine_backward(self, send_row_map, table, grad, returned, merging_probs, group_name, num_tokens, width,
+                          num_experts, capacity):
+        h = self._handle(send_row_map, table, group_name, num_tokens, width, num_experts, capacity, grad.shape[1])
+        rows, grad_probs = self.ops.backend.unpermute_backward(h.send_map, grad.contiguous(),
+                                                               returned if merging_probs is not None else None,
+                                                               merging_probs)
+        return _to_experts(h, rows)[0], grad_probs if grad_probs is not None else _empty(grad, 0, dtype=torch.float32)
+
+    def _combine_backward_fake(self, send_row_map, table, grad, returned, merging_probs, group_name, num_tokens,
+                               width, num_experts, capacity):
+        _, _, num_out = self._sizes(group_name, num_experts, capacity)
+        grad_probs = _empty(grad, 0, dtype=torch.float32) if merging_probs is None else torch.empty_like(merging_probs)
+        return _empty(grad, num_out, grad.shape[1]), grad_probs
+
+
 def expert_parallel(ops):
-    """(dispatch, combine) of one variant, for its generated module."""
+    """(dispatch, combine) of one variant, for its generated module (and its custom ops)."""
+    _COMPILED_EP[ops.prefix] = _EpOps(ops)
 
     def dispatch_(tokens, routing, probs=None, scale=None, *, group, num_experts=None, recv_capacity=None,
                   topk=None, check_routing=None):

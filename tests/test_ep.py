@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -279,6 +280,10 @@ def check_case(mod, case, world, me, run, gathered):
     offsets, counts = send_map.segment_offsets.long().cpu(), send_map.segment_counts.long().cpu()
     assert offsets[0] >= 0 and offsets[-1] <= send_map.num_rows and bool((offsets[1:] >= offsets[:-1] + counts).all())
     assert res.handle.dropped.tolist() == [dropped[src][me] for src in range(world)], res.dropped
+    # The handle (and autograd's graph through it) must not keep the process group alive past
+    # destroy_process_group: gloo's group torn down at interpreter exit instead aborted processes.
+    assert not any(isinstance(x, torch.distributed.ProcessGroup) for x in vars(res.handle).values())
+    assert isinstance(res.handle.group_ref, weakref.ref)
     if case.capacity is not None:
         assert sum(map(sum, dropped)) > 0, "the capacity case must overflow somewhere"
 
@@ -475,6 +480,43 @@ def check_no_host_sync(mod, group, world, me):
         assert_bits_equal(got, want, f"graph replay: {name}")
 
 
+# The variants compiled (each compile costs seconds): the plain one and a padded quantising one; on
+# a GPU (Inductor) also mask routing and a padded index variant.
+COMPILED = ("probs_bf16_index", "pad32_bf16_to_fp8e4m3_mx32_mask") + (
+    ("bf16_mask", "probs_pad16_bf16_index") if torch.cuda.is_available() else ())
+
+
+def check_compiled(mod, group, world, me):
+    """Capacity mode under torch.compile(fullgraph=True) (custom ops): dispatch -> experts -> combine
+    and both backward passes give the eager results bit for bit."""
+    v = mod.VARIANT
+    case = CASES[world][-1]
+    num_experts = case.experts_per_rank * world
+    tokens, routing, probs, scale = on_device(*global_inputs(v, case, world, stable_seed("compiled", world,
+                                                                                        v["name"]))[me])
+    cdt = combine_dtype(v)
+    differentiable = not is_fp8(v) and v["quantize"] == "none"
+
+    def layer(tokens, routing, probs, scale):
+        res = mod.dispatch(tokens, routing, probs, scale, group=group, num_experts=num_experts,
+                           recv_capacity=case.capacity)
+        return res.tokens, res.tokens_per_expert, res.dropped, mod.combine(res.tokens.to(cdt) * 2, res.handle, probs)
+
+    def run(fn):
+        t = tokens.clone().requires_grad_(differentiable)
+        p = None if probs is None else probs.clone().requires_grad_()
+        outs = fn(t, routing, p, scale)
+        wanted = [x for x in (t, p) if x is not None and x.requires_grad]
+        grads = torch.autograd.grad(outs[-1].float().sum(), wanted) if wanted else ()
+        return [o.detach() for o in outs] + list(grads)
+
+    torch._dynamo.reset()
+    backend = "inductor" if EP_DEVICE.type == "cuda" else "aot_eager"
+    compiled = run(torch.compile(layer, fullgraph=True, backend=backend))
+    for i, (got, want) in enumerate(zip(compiled, run(layer))):
+        assert_bits_equal(got, want, f"compiled output {i}")
+
+
 def nki_comparison_run(mod, group, world, me):
     """The Triton dispatch of the inputs test_triton_dispatch_matches_nki_permute_a2av rebuilds."""
     ids, tokens, num_experts = nki_inputs(world)[me]
@@ -557,6 +599,13 @@ def worker(me, world, outdir):
                     results[key] = None
                 except Exception:  # noqa: BLE001
                     results[key] = traceback.format_exc()
+            if world <= 2 and name in COMPILED:
+                key = f"{name}-compiled"
+                try:
+                    check_compiled(mod, group, world, me)
+                    results[key] = None
+                except Exception:  # noqa: BLE001
+                    results[key] = traceback.format_exc()
             key = f"{name}-bad_input"
             try:
                 check_bad_input(mod, group, world)
@@ -629,9 +678,15 @@ def results_for(world):
 
 
 GPU_ONLY = ["no_host_sync"] if torch.cuda.is_available() else []
+
+
+def compiled_case(world, name):
+    return ["compiled"] if world <= 2 and name in COMPILED else []
+
+
 PARAMS = [pytest.param(world, f"{name}-{case}", id=f"{world}-{name}-{case}") for world in WORLD_SIZES
           for name in variants_for("triton")
-          for case in [c.name for c in cases_for(world, name)] + ["bad_input"] + GPU_ONLY]
+          for case in [c.name for c in cases_for(world, name)] + ["bad_input"] + GPU_ONLY + compiled_case(world, name)]
 PARAMS.append(pytest.param(4, f"{plain_variant()}-subgroups", id=f"4-{plain_variant()}-subgroups"))
 
 
