@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 API = json.loads((Path(__file__).parent / "nki_api.json").read_text())
 SUPPORTED_VERSIONS = ("0.4.0", "0.5.0", "0.6.0")  # Neuron SDK 2.30 (the README's minimum) .. 2.32
 SUBMODULES = {"nki": {"language", "isa", "collectives", "typing"}, "nki.isa": {"constants"}}
-# Attributes of plain Python values kernels may use while tracing (lists of tiles, type names in errors).
-PYTHON_ATTRIBUTES = {"append"}
+# Methods of the plain Python values (lists, dicts, strings) kernels use while tracing. None of them is an
+# NkiTensor attribute, so a tensor using one still fails in the emulator (its tensors have only NKI's).
+PYTHON_ATTRIBUTES = {"append", "extend", "insert", "pop", "index", "count", "items", "keys", "values", "get",
+                     "join", "format"}
 
 
 def surface(version: str) -> dict:
