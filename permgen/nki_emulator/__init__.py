@@ -9,8 +9,12 @@ Trainium generations follow the Platform the kernel runs on (`on(Platform("trn3"
 by default). Where no page says what the hardware does, it refuses with "not documented".
 
     from permgen import nki_emulator
-    nki_emulator.install()      # registers `nki`, `nki.language`, `nki.isa`, `nki.collectives`
+    nki_emulator.install()      # registers `nki`, `nki.language`, `nki.isa`, `nki.collectives`, ...
     import nki                  # ...only when the real package is not importable
+
+`import nki` then gives the modules of `nki_emulator.api`: exactly the documented NKI names the
+emulator emulates (NKI 0.6 stubs, with their documented parameters); any other name raises
+`api.NotEmulated`. API_CHECKED.md gives the page and sentence of every rule.
 
 Kernels run when called with NumPy arrays (like `nki.simulate(kernel)(*arrays)`), returning NumPy
 arrays; `simulate` mirrors the real entry point's signature. Kernels that call collectives run on
@@ -57,7 +61,7 @@ from ._core import Cost, EmulatorError, Platform, Tensor
 from .collectives import run_ranks
 
 __all__ = ["Cost", "EmulatorError", "Platform", "jit", "on", "recording", "simulate", "install", "real_nki_available",
-           "run_ranks", "language", "isa", "collectives"]
+           "run_ranks", "api", "language", "isa", "collectives"]
 
 
 @contextlib.contextmanager
