@@ -2,8 +2,9 @@
 
 `kernel[lnc](...)` (nki.jit; "Using Logical Neuron Cores (LNC)", nki/get-started/about/lnc.rst, SDK
 2.32) runs the kernel's program once per physical core. Each core has its own SBUF, PSUM and
-private HBM; kernel arguments and `nl.shared_hbm` tensors are shared: the k-th shared_hbm
-allocation of every core is one tensor. A core learns its id from `nl.program_id(0)` (0 or 1) and
+private HBM ("Only visible to each individual kernel instance in the SPMD grid", nki.language);
+kernel arguments and `nl.shared_hbm` tensors ("Visible to all kernel instances") are shared: the
+k-th shared_hbm allocation of every core is one tensor. A core learns its id from `nl.program_id(0)` (0 or 1) and
 the core count from `nl.num_programs()`.
 
 The cores take turns, deterministically: core 0 runs until it reaches a synchronisation point
