@@ -180,14 +180,14 @@ def megatron_peer(mod, tokens, ids, probs_topk, N, E, k, grad_out):
     def permute(t=tokens, p=probs):
         return MOE_UTILS.permute(t, mask, probs=p, num_out_tokens=rows, fused=False)
 
-    permuted, _, sorted_indices = permute()
+    permuted, _, sorted_indices, *_ = permute()  # newer releases also return pad_offsets and counts
     expert_out = torch.randn(permuted.shape, device="cuda").to(tokens.dtype)
 
     def unpermute(x=expert_out, p=probs):
         return MOE_UTILS.unpermute(x, sorted_indices, tokens.shape, probs=p, routing_map=mask, fused=False)
 
     tl_, pl_ = tokens.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
-    out, out_probs, _ = permute(tl_, pl_)
+    out, out_probs, *_ = permute(tl_, pl_)
     grads = [torch.ones_like(out), torch.ones_like(out_probs)]
     ul_, upl_ = expert_out.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
     combined = unpermute(ul_, upl_)

@@ -17,6 +17,7 @@ functions then serve. Each call runs eagerly and compiled (backend "aot_eager" o
 """
 
 import importlib
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -265,26 +266,34 @@ def test_dropped_routes_are_counted_on_the_device(target, routing_kind, request)
     slotted = routes - bad if routing_kind == "mask" else routes
     cap = slotted - 4
     res = mod.permute(tokens, routing, probs, num_out_tokens=cap, **kw)
-    assert res.dropped.device == device and res.dropped.dtype == torch.int32
+    assert res.dropped.device.type == device.type and res.dropped.dtype == torch.int32
     assert int(res.dropped) == 4 + bad and int(res.row_id_map.unslotted) == bad
     assert res.row_id_map.width == width
     assert int(mod.permute(tokens, routing, probs, num_out_tokens=slotted, **kw).dropped) == bad
 
 
-def test_out_of_range_ids_fail_a_device_assertion_when_asked(te, request):
-    g = generator_for(request)
-    tokens = torch.randn(6, H, generator=g).to(torch.bfloat16).to(DEVICE)
-    ids = expert_ids(6, 4, 2, g).to(DEVICE)
-    te.moe_permute(tokens, ids, map_type="index")  # no check asked for: the bad id below is only counted
-    ids[2, 1] = -3
-    te.check_routes_on_device(True)
-    try:
-        with pytest.raises(RuntimeError, match="routing_map holds expert ids outside"):
-            te.moe_permute(tokens, ids, 12, map_type="index")
-            if HAS_CUDA:
-                torch.cuda.synchronize()
-    finally:
-        te.check_routes_on_device(False)
+ASSERTING_CALL = """
+import torch
+from permgen import te
+device = "cuda" if torch.cuda.is_available() else "cpu"
+tokens = torch.randn(6, 16, device=device).to(torch.bfloat16)
+ids = torch.tensor([[0, 1], [2, 3], [1, -3], [0, 2], [3, 1], [2, 0]], device=device)
+te.moe_permute(tokens, ids, 12, map_type="index")  # no check asked for: the bad id is only counted
+te.check_routes_on_device(True)
+te.moe_permute(tokens, ids, 12, map_type="index")
+torch.empty(1, device=device).tolist()  # a sync: where a device assertion surfaces
+"""
+
+
+def test_out_of_range_ids_fail_a_device_assertion_when_asked():
+    """check_routes_on_device(True): an id outside [-1, E) fails a device-side assertion. Run in its
+    own process: on a GPU a device-side assertion leaves the process's CUDA context unusable."""
+    env = {**os.environ, "TRITON_INTERPRET": "0" if HAS_CUDA else "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", ASSERTING_CALL], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert done.returncode != 0
+    # On the CPU the assertion raises with its message; CUDA reports a device-side assertion.
+    want = "device-side assert" if HAS_CUDA else "moe_permute: routing_map holds expert ids outside [-1, E)"
+    assert want in done.stderr, done.stderr[-2000:]
 
 
 def test_errors_name_the_te_function_and_argument(request):
