@@ -1088,7 +1088,7 @@ def test_collectives_at_lnc2_run_once_per_rank(monkeypatch):
         src = copy_through_sbuf(a)
         if publish_inputs:
             nisa.core_barrier(data=src, cores=(0, 1))
-        dst = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        dst = copy_through_sbuf(a)  # this core's own write, which the collective then overwrites
         ncc.all_to_all(srcs=[src], dsts=[dst], replica_group=group, collective_dim=0)
         if publish_outputs:
             nisa.core_barrier(data=dst, cores=(0, 1))

@@ -129,10 +129,12 @@ class Launch:
     def read(self, who: int, root: np.ndarray, offsets: np.ndarray, what: str) -> None:
         writers, readers = self._marks(root)
         me = np.uint8(1 << who)
-        foreign = (writers[offsets] & ~me) != 0
-        own = (writers[offsets] & me) != 0
-        if (foreign & ~own).any():
-            byte = int(offsets[np.flatnonzero(foreign & ~own)[0]])
+        marks = writers[offsets]
+        # A byte another core wrote is a race unless this core wrote the same byte too (identical bytes,
+        # or the write check would have failed); a byte a collective wrote is not known to be visible.
+        unsafe = (((marks & ~me) != 0) & ((marks & me) == 0)) | ((marks & (1 << COLLECTIVE)) != 0)
+        if unsafe.any():
+            byte = int(offsets[np.flatnonzero(unsafe)[0]])
             if writers[byte] & (1 << COLLECTIVE):
                 raise EmulatorError(f"{what} reads bytes a collective wrote before any nisa.core_barrier on them: not "
                                     f"documented whether a collective's results are visible to both cores when they "
@@ -233,7 +235,7 @@ def note_collective_write(tensor) -> None:
     if shared(tensor):
         launch, _ = current()
         writers, _ = launch._marks(tensor._root)
-        writers[_bytes(tensor)] |= np.uint8(1 << COLLECTIVE)
+        writers[_bytes(tensor)] = np.uint8(1 << COLLECTIVE)
 
 
 def check_unwritten(tensor, what: str) -> None:
