@@ -1079,16 +1079,17 @@ def test_cores_run_the_same_program(monkeypatch):
 
 def test_collectives_at_lnc2_run_once_per_rank(monkeypatch):
     """At LNC=2 a rank is a logical core: both cores issue the collective and it runs once. No page
-    says on which core's queue it runs or whether its results are visible to both cores, so its
-    inputs are published with a core_barrier before it and its outputs after it."""
+    says on which core's queue it runs or whether its results are visible to both cores, so what it
+    reads and writes is published with a core_barrier before it, and its outputs after it."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
     group = ncc.ReplicaGroup([[0, 1]])
 
     def exchange(a, publish_inputs=True, publish_outputs=True):
         src = copy_through_sbuf(a)
+        dst = copy_through_sbuf(a)  # written before the collective overwrites it: published with the inputs
         if publish_inputs:
             nisa.core_barrier(data=src, cores=(0, 1))
-        dst = copy_through_sbuf(a)  # this core's own write, which the collective then overwrites
+            nisa.core_barrier(data=dst, cores=(0, 1))
         ncc.all_to_all(srcs=[src], dsts=[dst], replica_group=group, collective_dim=0)
         if publish_outputs:
             nisa.core_barrier(data=dst, cores=(0, 1))

@@ -42,8 +42,8 @@ Reading shared HBM the other core wrote (or overwriting with different bytes wha
 read) before an `nisa.core_barrier` on that tensor is a race, reported as an error; writing the
 same bytes from both cores is not. Both cores must issue the same barriers, collectives and
 shared_hbm allocations in the same order. A collective at LNC=2 is issued by both cores and runs
-once for the rank (a rank is a logical core); publish its inputs with a core_barrier before it and
-its outputs with one after it before reading them (no page says more; see `_cores`).
+once for the rank (a rank is a logical core); publish what it reads and writes with a core_barrier
+before it, and its outputs with one after it before reading them (no page says more; see `_cores`).
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ only, so it orders nothing else.
 Collectives at LNC=2: a collective belongs to the logical core (one rank), so both cores issue it
 with the same arguments and it runs once when both have arrived. No page says on which core's
 queue it runs, nor whether its results are visible to both cores when they continue; so its
-inputs must carry no writes of the current epoch, and its outputs are marked as written by
-neither core: a core reads them only after a core_barrier on them ("not documented" otherwise).
+inputs and outputs must carry no writes of the current epoch, and its outputs are marked as
+written by neither core: a core reads them only after a core_barrier on them ("not documented"
+otherwise).
 """
 
 from __future__ import annotations
@@ -239,14 +240,15 @@ def note_collective_write(tensor) -> None:
 
 
 def check_unwritten(tensor, what: str) -> None:
-    """A collective's input at LNC > 1 carries no write of the current epoch."""
+    """A collective's input or output at LNC > 1 carries no write of the current epoch (the other core's
+    write could land after the collective read or wrote it)."""
     if shared(tensor):
         launch, _ = current()
         writers, _ = launch._marks(tensor._root)
         if writers[_bytes(tensor)].any():
-            raise EmulatorError(f"{what} reads shared HBM written since the last nisa.core_barrier on it: not "
+            raise EmulatorError(f"{what} touches shared HBM written since the last nisa.core_barrier on it: not "
                                 f"documented on which core's queue a collective runs at LNC=2, so publish its "
-                                f"inputs with nisa.core_barrier(data=..., cores=(0, 1)) first")
+                                f"inputs and outputs with nisa.core_barrier(data=..., cores=(0, 1)) first")
 
 
 def publish(tensor) -> None:

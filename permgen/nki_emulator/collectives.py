@@ -276,8 +276,8 @@ def _all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known,
 
 def _on_the_rank(kind: str, op, args, inputs, outputs):
     """Run a collective for the calling rank. At LNC=2 both cores of the rank issue it with the same
-    arguments and it runs once, when both have arrived (see _cores: its inputs carry no write of the
-    current barrier epoch; no core reads its outputs before a core_barrier on them)."""
+    arguments and it runs once, when both have arrived (see _cores: its inputs and outputs carry no
+    write of the current barrier epoch; no core reads its outputs before a core_barrier on them)."""
     if args[-2] is not None:
         raise EmulatorError(f"{kind}(priority=...) is not emulated")
     state = _cores.current()
@@ -287,7 +287,7 @@ def _on_the_rank(kind: str, op, args, inputs, outputs):
     tensors = [t for t in inputs + outputs if isinstance(t, Tensor)]
 
     def run_once():
-        for t in inputs:
+        for t in inputs + outputs:
             if isinstance(t, Tensor):
                 _cores.check_unwritten(t, kind)
         op(*args)
