@@ -5,7 +5,8 @@ driver; per kernel run the emulator counts the instructions issued (every nki.is
 call), the indirect DMAs and the bytes that dma_copy moved (the collectives' own traffic is not
 counted as DMA bytes). The table shows the busiest rank. Routing is uniform: every token picks k
 distinct experts of E, spread evenly over the ranks; the receive capacity is twice the mean. Each
-generation runs its default exchange (permgen.nki_a2av), at the LNC the environment declares
+generation runs its default exchange (permgen.nki_a2av), and trn3 groups of whole devices (EP a
+multiple of 4, at least 8) the packed exchange too, at the LNC the environment declares
 (--lnc sets it; at LNC=2 a count is both cores' of the rank together).
 
     .venv/bin/python benchmarks/nki_a2av_cost.py [--ep 2,8 --tokens 512 --h 1024 --e 64 --k 8] [--lnc 1|2]
@@ -32,6 +33,7 @@ nki_emulator.install()
 from permgen.nki_emulator import Platform, run_ranks  # noqa: E402
 from permgen.nki_emulator.collectives import ReplicaGroup  # noqa: E402
 from permgen.nki_a2av import exchange_for, permute_a2av, unpermute_a2av  # noqa: E402
+from permgen.nki_host import logical_cores  # noqa: E402
 
 
 def rank_inputs(ep, tokens, hidden, experts, k, seed):
@@ -46,21 +48,21 @@ def rank_inputs(ep, tokens, hidden, experts, k, seed):
     return rows, order, counts, probs
 
 
-def measure(generation, ep, tokens, hidden, experts, k):
+def measure(generation, ep, tokens, hidden, experts, k, exchange=None):
     group = ReplicaGroup([list(range(ep))])
     capacity = 2 * tokens * k
     inputs = [rank_inputs(ep, tokens, hidden, experts, k, seed) for seed in range(ep)]
 
     def rank(rows, order, counts, probs):
         with nki_emulator.recording() as runs:
-            recv, _ = permute_a2av(rows, order, counts, capacity, group, generation=generation)
-            unpermute_a2av(recv, order, counts, probs, group, generation=generation)
+            recv, _ = permute_a2av(rows, order, counts, capacity, group, generation=generation, exchange=exchange)
+            unpermute_a2av(recv, order, counts, probs, group, generation=generation, exchange=exchange)
         return runs
 
     per_rank = run_ranks(rank, inputs, platform=Platform(generation))
     # Each rank ran the dispatch, then the combine: report the rank that moved the most bytes in each.
     busiest = [max((runs[i] for runs in per_rank), key=lambda cost: cost.dma_bytes) for i in range(2)]
-    return exchange_for(group, generation), busiest
+    return exchange_for(group, generation, exchange, logical_cores()), busiest
 
 
 def main():
@@ -79,8 +81,11 @@ def main():
     print("| EP | generation | exchange | kernel | instructions | indirect DMAs | DMA bytes |")
     print("|---|---|---|---|---|---|---|")
     for ep in (int(x) for x in args.ep.split(",")):
-        for generation in ("trn2", "trn3"):
-            exchange, costs = measure(generation, ep, args.tokens, args.h, args.e, args.k)
+        runs = [("trn2", None), ("trn3", None)]
+        if ep % 4 == 0 and ep >= 8 and logical_cores() == 2:  # whole devices at LNC=2: receive displacements too
+            runs.append(("trn3", "all_to_all_v_packed"))
+        for generation, asked in runs:
+            exchange, costs = measure(generation, ep, args.tokens, args.h, args.e, args.k, asked)
             for cost in costs:
                 print(f"| {ep} | {generation} | {exchange} | {cost.kernel.removesuffix('_kernel')} | {cost.instructions:,} | "
                       f"{cost.indirect_dmas:,} | {cost.dma_bytes:,} |")
