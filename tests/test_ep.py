@@ -86,6 +86,10 @@ CASES = {
 
 SUBGROUP_CASE = EpCase("subgroups", experts_per_rank=2, k=2, tokens=(5, 3))
 
+# One rank's own paths (no regroup, permute's row cap as the capacity) depend on the routing kind
+# and on what moves beside the rows: on the CPU these variants cover them (all run on a GPU).
+ONE_RANK_ON_CPU = ("probs_bf16_index", "bf16_mask", "probs_fp8e5m2_index", "probs_bf16_to_fp8e4m3_block128_index")
+
 
 def plain_variant():
     """A bf16, index-routed, unpadded variant: the NKI comparison's and the subgroup case's."""
@@ -97,8 +101,8 @@ def plain_variant():
 def cases_for(world, name):
     # (one rank needs k experts: its tokens route to k distinct ones)
     padded = permgen.VARIANTS[name]["pad"] > 0 and not torch.cuda.is_available() and world > 1
-    if world == 1 and permgen.VARIANTS[name]["pad"] and not torch.cuda.is_available():
-        return []  # on the CPU: one rank pads as two do (the regroup's pad chunks), at interpreter cost
+    if world == 1 and name not in ONE_RANK_ON_CPU and not torch.cuda.is_available():
+        return []  # ONE_RANK_ON_CPU covers one rank's paths (padded variants pad as on two ranks)
     return [replace(c, experts_per_rank=1) if padded else c for c in CASES[world] if not (c.unpadded_only and padded)]
 
 
@@ -599,7 +603,7 @@ def worker(me, world, outdir):
                     results[key] = None
                 except Exception:  # noqa: BLE001
                     results[key] = traceback.format_exc()
-            if world <= 2 and name in COMPILED:
+            if world <= max(1, torch.cuda.device_count()) and name in COMPILED:
                 key = f"{name}-compiled"
                 try:
                     check_compiled(mod, group, world, me)
@@ -681,7 +685,7 @@ GPU_ONLY = ["no_host_sync"] if torch.cuda.is_available() else []
 
 
 def compiled_case(world, name):
-    return ["compiled"] if world <= 2 and name in COMPILED else []
+    return ["compiled"] if world <= max(1, torch.cuda.device_count()) and name in COMPILED else []
 
 
 PARAMS = [pytest.param(world, f"{name}-{case}", id=f"{world}-{name}-{case}") for world in WORLD_SIZES
