@@ -257,7 +257,8 @@ def estimate_ep64(r, gbps_inter=45.0, gbps_intra=350.0):
                 local_share_dispatch=round(local_dispatch / (a2a_us + local_dispatch), 3))
 
 
-COLUMNS = [("a2a", "a2a"), ("a2a_capacity", "a2a cap"), ("dispatch", "dispatch"), ("dispatch_capacity", "disp cap"), ("combine", "combine"),
+COLUMNS = [("a2a", "a2a"), ("a2a_capacity", "a2a cap"), ("dispatch", "dispatch"), ("dispatch_capacity", "disp cap"),
+           ("combine", "combine"),
            ("combine_capacity", "comb cap"), ("dispatch_backward", "disp bwd"), ("combine_backward", "comb bwd"),
            ("torch_dispatch", "torch disp"), ("torch_combine", "torch comb"), ("permute", "permute"),
            ("unpermute", "unpermute"), ("permute_backward", "perm bwd"), ("unpermute_backward", "unperm bwd"),

@@ -11,8 +11,8 @@ tokens to the rank owning its expert and returns, on each rank, the rows of its 
       -> all_to_all_single of the rows (probs, scales beside them), split sizes per rank
       -> regroup the received rows from (source, local expert) to (local expert, source) order:
          one chunk sort (the variant's kernel, one pass at the copy floor), left out where the
-         received rows already are in that order (one rank, or one local expert and no capacity
-         slots) and never padded
+         received rows already are in that order (one rank, or one local expert without capacity
+         slots; never for padded variants)
 
 Received rows are grouped by local expert; within an expert by source rank, then token (then
 slot): the rows single-rank `permute` gives over all ranks' tokens concatenated in rank order,
@@ -27,14 +27,15 @@ packed sends: a copy of it whose routes point at their send rows, `send_map`, dr
 
 Two modes:
 
-- dropless (recv_capacity=None): the route counts per expert are counted on the device,
-  exchanged with one small all-to-all, and read back once (send and receive split sizes and the
+- dropless (recv_capacity=None): the route counts per expert are counted on the device (by
+  permute's routing kernel where permute can run first), exchanged with one small all-to-all, the
+  split sizes summed on the device and read back once (send and receive split sizes and the
   routing check together: the one device-to-host read, as Megatron's all-to-all dispatcher does).
   Nothing is dropped; expert ids out of range raise on every rank (check_routing=False skips it).
 - fixed capacity (recv_capacity=C): C is per rank pair. Each rank sends every other rank (and
   itself) exactly C rows, so all split sizes are static: nothing is read back and nothing is
   allocated by data, so it is capturable in a CUDA graph and traces under
-  torch.compile(fullgraph=True). A sender keeps, per destination, its first C rows in its packed
+  torch.compile(fullgraph=True) (as custom ops: _EpOps). A sender keeps, per destination, its first C rows in its packed
   order (local expert, then token); the rest are dropped, never written anywhere, and contribute
   nothing in combine. The output has world_size * C rows (plus num_local_experts * (pad - 1) for
   padded variants): the kept rows in the layout above, then zero rows. `DispatchResult.dropped`
