@@ -415,9 +415,11 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts,
                           num_out_tokens=plan.num_tokens * plan.width, topk=topk, check_routing=False)
         counts = res.tokens_per_expert
+        # The routing kernel tallies the routes without a slot: the ids check_routing refuses.
+        bad = res.row_id_map.unslotted.to(torch.int64).reshape(1) if check else counts.new_zeros(1)
     else:
         counts = _route_counts(ops, routing, num_experts)
-    bad = _bad_routes(ops, routing, num_experts, plan.width) if check else counts.new_zeros(1)
+        bad = _bad_routes(ops, routing, num_experts, plan.width) if check else counts.new_zeros(1)
     recv = torch.empty((world, local + 1), dtype=torch.int64, device=device)
     dist.all_to_all_single(recv, torch.cat([counts.view(world, local), bad.expand(world, 1)], 1), group=group)
     # Everything the host needs, summed on the device: after the read the GPU waits for the host
@@ -452,13 +454,6 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
     return res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out, tokens_per_expert, dropped
 
 
-def _routes(ops, routing, num_experts):
-    """int64 [1]: routes to some expert (ids in [0, E); mask entries set), counted on the device."""
-    if ops.mask:
-        return (routing != 0).sum(dtype=torch.int64).reshape(1)
-    return ((routing >= 0) & (routing < num_experts)).sum(dtype=torch.int64).reshape(1)
-
-
 def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, capacity, check):
     """Static sizes: every rank pair exchanges `capacity` rows; nothing is read back (unless
     check_routing asks for it)."""
@@ -469,9 +464,13 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         # in expert order, drops the rest and zeroes the rows it does not fill).
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=capacity,
                           topk=topk, check_routing=False)
-        fit = res.row_id_map.segment_counts.long().view(1, local)
-        routed = _routes(ops, routing, num_experts).view(1, 1)
-        send_map, pack_rows = res.row_id_map, None
+        row_id_map = res.row_id_map
+        fit = row_id_map.segment_counts.long().view(1, local)
+        # Routes to some expert: those kept, and those dropped past the cap (the tallies' dropped
+        # routes less those without a slot).
+        routed = fit.sum() + (row_id_map.dropped - row_id_map.unslotted).long()
+        routed = routed.view(1, 1)
+        send_map, pack_rows = row_id_map, None
     else:
         bound = plan.num_tokens * plan.width + (num_experts * (pad - 1) if pad else 0)  # rows permute can fill
         # One row more than permute can fill: row `bound` is always zero, the source of empty slots.
@@ -491,9 +490,9 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         slot_starts = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(fit, 1)
         offsets = torch.cat([slot_starts.flatten(), torch.full((1,), world * capacity, device=device)])
         send_map = _send_row_map(res.row_id_map, slot_of_row, offsets, fit.flatten(), world * capacity)
-    # What each source sends here (kept rows per local expert, routed rows) and its routing check:
-    # one small all-to-all.
-    bad = _bad_routes(ops, routing, num_experts, plan.width) if check else routed.new_zeros(1)
+    # What each source sends here (kept rows per local expert, routed rows) and its routing check
+    # (the routes permute found no slot for): one small all-to-all.
+    bad = res.row_id_map.unslotted.to(torch.int64).reshape(1) if check else routed.new_zeros(1)
     counts_in = torch.empty((world, local + 2), dtype=torch.int64, device=device)
     dist.all_to_all_single(counts_in, torch.cat([fit, routed.expand(world, 1), bad.expand(world, 1)], 1),
                            group=group)
