@@ -395,6 +395,18 @@ def test_tensors_have_the_documented_attributes():
     run(body, np.zeros((3, 5), np.float32))
 
 
+def test_dtypes_are_strings():
+    """The nki.language stub: `DType = str`. A kernel keys tables by the name and compares names; NumPy's
+    dtype methods are not there."""
+    def body(a):
+        assert nl.float32 == "float32" and a.dtype == nl.float32 and isinstance(a.dtype, str)
+        assert {nl.float32: 4}[a.dtype] == 4 and a.view(nl.uint8).dtype == nl.uint8
+        with pytest.raises(AttributeError):
+            a.dtype.itemsize
+        return copy_through_sbuf(a)
+    run(body, np.zeros((1, 2), np.float32))
+
+
 def test_vector_offset_indexes_dimension_0_through_software_dge():
     """nki-aps: with vector_offset "only indirect_dim=0 is supported"; nki-dge: "the DGE mode is
     constrained to swdge" (dge_mode unknown selects it)."""

@@ -174,8 +174,17 @@ INT_DTYPES = {np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.i
 MATMUL_DTYPES = FLOAT_DTYPES
 
 
+def dtype_name(dtype: np.dtype) -> str:
+    """The NKI name of a dtype: nl.float32 is "float32" (the nki.language stub: `DType = str`)."""
+    return "bool_" if dtype == np.dtype(np.bool_) else str(dtype)
+
+
 def as_dtype(dtype) -> np.dtype:
-    dt = np.dtype(dtype)
+    """The NumPy dtype behind an NKI dtype (a name such as "bfloat16", or a NumPy dtype)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise EmulatorError(f"unsupported NKI dtype {dtype!r}") from None
     if dt not in FLOAT_DTYPES and dt not in INT_DTYPES:
         raise EmulatorError(f"unsupported NKI dtype {dt}")
     return dt
@@ -347,7 +356,12 @@ class Tensor:
         return self._array.shape
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> str:
+        """The NKI dtype: its name, as NKI's are strings (`DType = str`)."""
+        return dtype_name(self._array.dtype)
+
+    @property
+    def _dtype(self) -> np.dtype:
         return self._array.dtype
 
     @property
@@ -399,7 +413,7 @@ class Tensor:
         sizes; "the last dimension must be contiguous in memory". Used to zero fp8 tiles through an
         integer view."""
         dtype = as_dtype(dtype)
-        old = self.dtype.itemsize
+        old = self._dtype.itemsize
         if (self.shape[-1] * old) % dtype.itemsize:
             raise EmulatorError(f"view as {dtype}: the last axis of {self.shape} ({old}-byte items) does not split "
                                 f"into {dtype.itemsize}-byte items")
@@ -523,8 +537,8 @@ class AccessPattern:
                 raise EmulatorError(f"vector_offset indexes HBM tensors only; {tensor!r} is in {tensor.buffer!r}")
             if not isinstance(vector_offset, Tensor) or vector_offset.buffer is not SBUF:
                 raise EmulatorError("vector_offset must be an SBUF tile")
-            if vector_offset.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
-                raise EmulatorError(f"vector_offset must be int32/uint32, got {vector_offset.dtype}")
+            if vector_offset._dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
+                raise EmulatorError(f"vector_offset must be int32/uint32, got {vector_offset._dtype}")
             lanes = pattern[0][1]
             if vector_offset.shape != (lanes, 1):
                 raise EmulatorError(f"vector_offset must have shape ({lanes}, 1) to index dimension 0 of {pattern}, "
@@ -535,8 +549,12 @@ class AccessPattern:
         return tuple(count for _, count in self._pattern)
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> str:
         return self._tensor.dtype
+
+    @property
+    def _dtype(self) -> np.dtype:
+        return self._tensor._dtype
 
     @property
     def buffer(self) -> Buffer:
@@ -554,7 +572,7 @@ class AccessPattern:
             index = np.arange(count, dtype=np.int64)
             if self._vector_offset is not None and d == 0:
                 index = self._vector_offset._array[:, 0].astype(np.int64)
-                if self._vector_offset.dtype == np.dtype(np.int32) and (index == _as_signed(INT_POISON[4])).any():
+                if self._vector_offset._dtype == np.dtype(np.int32) and (index == _as_signed(INT_POISON[4])).any():
                     raise EmulatorError("vector_offset holds never-written entries")
                 step = math.prod(self._tensor.shape[1:])
                 valid = (index >= 0) & (index < self._tensor.shape[0])

@@ -113,9 +113,9 @@ class Launch:
     def shared_allocation(self, core: int, index: int, shape, dtype, create):
         if index < len(self.shared):
             tensor = self.shared[index]
-            if tensor.shape != tuple(shape) or tensor.dtype != dtype:
+            if tensor.shape != tuple(shape) or tensor._dtype != dtype:
                 raise EmulatorError(f"the cores diverged: core {core}'s shared_hbm allocation #{index} is {tuple(shape)} "
-                                    f"{dtype}, another core's is {tensor.shape} {tensor.dtype}")
+                                    f"{dtype}, another core's is {tensor.shape} {tensor._dtype}")
             return tensor
         tensor = create()
         self.shared.append(tensor)
@@ -207,7 +207,7 @@ def _first_bytes(tensor, elements=None, keep=None) -> np.ndarray:
 
 
 def _bytes(tensor, elements=None, keep=None) -> np.ndarray:
-    item = tensor.dtype.itemsize
+    item = tensor._dtype.itemsize
     return (_first_bytes(tensor, elements, keep).reshape(-1, 1) + np.arange(item, dtype=np.int64)).reshape(-1)
 
 
@@ -227,7 +227,7 @@ def note_write(tensor, what: str, new_values, elements=None, keep=None) -> None:
     """Record a core's write of `new_values` (in the tensor's dtype, one per accessed element)."""
     if shared(tensor):
         launch, core = current()
-        new_bytes = np.ascontiguousarray(np.asarray(new_values, dtype=tensor.dtype)).reshape(-1).view(np.uint8)
+        new_bytes = np.ascontiguousarray(np.asarray(new_values, dtype=tensor._dtype)).reshape(-1).view(np.uint8)
         launch.write(core, tensor._root, _bytes(tensor, elements, keep), new_bytes, what)
 
 

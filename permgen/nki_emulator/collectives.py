@@ -150,8 +150,8 @@ def _all_to_all(srcs, dsts, replica_group, collective_dim, priority, name):
     src, dst = _hbm_list(srcs, "srcs", kind), _hbm_list(dsts, "dsts", kind)
     if collective_dim != 0:
         raise EmulatorError(f"{kind}: only collective_dim=0 is supported")
-    if src.dtype != dst.dtype or src.shape != dst.shape:
-        raise EmulatorError(f"{kind}: src {src.shape} {src.dtype} and dst {dst.shape} {dst.dtype} must match")
+    if src._dtype != dst._dtype or src.shape != dst.shape:
+        raise EmulatorError(f"{kind}: src {src.shape} {src._dtype} and dst {dst.shape} {dst._dtype} must match")
     ranks, me, posts = _exchange(kind, replica_group, src._array.copy())
     size = len(ranks)
     if src.shape[0] % size:
@@ -223,10 +223,10 @@ def _all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known,
     meta = metadata_tensor
     if not isinstance(meta, Tensor) or meta.buffer not in _core.HBM_BUFFERS or not meta._whole:
         raise EmulatorError(f"{kind}: metadata_tensor must be a whole HBM tensor, got {meta!r}")
-    if meta.dtype != np.dtype(np.uint32) or meta.ndim != 2:
-        raise EmulatorError(f"{kind}: metadata_tensor must be 2-d uint32, got {meta.shape} {meta.dtype}")
-    if src.dtype != dst.dtype:
-        raise EmulatorError(f"{kind}: src is {src.dtype} but dst is {dst.dtype}")
+    if meta._dtype != np.dtype(np.uint32) or meta.ndim != 2:
+        raise EmulatorError(f"{kind}: metadata_tensor must be 2-d uint32, got {meta.shape} {meta._dtype}")
+    if src._dtype != dst._dtype:
+        raise EmulatorError(f"{kind}: src is {src._dtype} but dst is {dst._dtype}")
     need_rows = 4 if has_rdispls else 3
     if meta.shape[0] < need_rows:
         raise EmulatorError(f"{kind}: metadata_tensor needs {need_rows} rows (has_rdispls={has_rdispls}), got {meta.shape}")

@@ -74,7 +74,7 @@ def _tile(x, what: str) -> Tensor:
     if x.buffer is PSUM and math.prod(x._root.shape[1:]) > _core.PSUM_BANK_FMAX:
         raise EmulatorError(f"{what} is a PSUM tile wider than one bank ({x._root.shape}): not documented for any "
                             f"instruction but NeuronCore-v4's nc_matmul dst")
-    if x.dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
+    if x._dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
         # nki.isa.nc_matmul (2.32): "Starting NeuronCore-v4, float8_e4m3fn (OCP FP8) is also supported"; no
         # page documents float8_e4m3fn on a NeuronCore-v3 compute engine (nki-library resolves it to
         # float8_e4m3 on gen3 and older). DMA moves and converts it (dma_copy: "any supported NKI data types").
@@ -94,12 +94,12 @@ def _fp32(x: Tensor) -> np.ndarray:
 
 
 def _write(dst: Tensor, values: np.ndarray) -> None:
-    dst._array[...] = _core.cast(values, dst.dtype)
+    dst._array[...] = _core.cast(values, dst._dtype)
 
 
 def _convert(values: np.ndarray, dtype) -> np.ndarray:
-    """A dtype conversion by DMA or a compute engine: "first casting from src.dtype to float32, then from
-    float32 to dst.dtype" (nki.isa.dma_copy, 2.32; tensor_copy: an "intermediate FP32 cast when input and
+    """A dtype conversion by DMA or a compute engine: "first casting from src._dtype to float32, then from
+    float32 to dst._dtype" (nki.isa.dma_copy, 2.32; tensor_copy: an "intermediate FP32 cast when input and
     output data types differ"), so integers above 2^24 round."""
     return _core.cast(np.asarray(values).astype(np.float32), np.dtype(dtype))
 
@@ -134,7 +134,7 @@ def _apply(op: Operator, a, b, reverse: bool):
 
 
 def _check_bitvec(op: Operator, *tiles: Tensor) -> None:
-    if op.kind == "bitvec" and not all(_core.is_int(t.dtype) for t in tiles):
+    if op.kind == "bitvec" and not all(_core.is_int(t._dtype) for t in tiles):
         raise EmulatorError(f"{op!r} is a bitvec operator: inputs and output must be integer tiles")
 
 
@@ -193,8 +193,8 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     values, src_lanes, src_addresses = read(src)
     if tuple(values.shape) != tuple(dst.shape):
         values = values.reshape(dst.shape)
-    if values.dtype != dst.dtype:
-        values = _convert(values, dst.dtype)
+    if values.dtype != dst._dtype:
+        values = _convert(values, dst._dtype)
     if isinstance(dst, AccessPattern):
         storage, addresses, valid = dst._resolve()
         lanes = (valid, dst._indirect_dim)
@@ -222,7 +222,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     else:
         _cores.note_write(dst, "dma_copy dst", values[keep], keep=keep)
         dst._array[keep] = values[keep]
-    _core.count_instruction(indirect, int(np.count_nonzero(keep)) * src.dtype.itemsize)
+    _core.count_instruction(indirect, int(np.count_nonzero(keep)) * src._dtype.itemsize)
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -232,7 +232,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _engine(engine, "memset", (_Engine.unknown, _Engine.vector, _Engine.gpsimd))
     if engine is _Engine.gpsimd and dst.buffer is PSUM:
         raise EmulatorError("memset on engine=gpsimd into PSUM: GpSimd Engine cannot access PSUM")
-    _write(dst, np.full(dst.shape, value, dtype=np.float64 if not _core.is_int(dst.dtype) else np.int64))
+    _write(dst, np.full(dst.shape, value, dtype=np.float64 if not _core.is_int(dst._dtype) else np.int64))
 
 
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
@@ -267,10 +267,10 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         # must be chosen when the input or output tile is in PSUM".
         raise EmulatorError("tensor_copy on engine=gpsimd with a PSUM tile: GpSimd Engine cannot access PSUM")
     _same_shape(dst, src, "tensor_copy")
-    if src.dtype == dst.dtype:
+    if src._dtype == dst._dtype:
         dst._array[...] = src._array
     else:
-        dst._array[...] = _convert(src._array, dst.dtype)
+        dst._array[...] = _convert(src._array, dst._dtype)
 
 
 _INTEGER_32 = (np.dtype(np.int32), np.dtype(np.uint32))
@@ -294,17 +294,17 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     if op.kind == "bitvec":
         _write(dst, op.fn(data1._array, data2._array))
         return
-    integer = all(t.dtype in _INTEGER_32 for t in (dst, data1, data2))
+    integer = all(t._dtype in _INTEGER_32 for t in (dst, data1, data2))
     in_psum = any(t.buffer is PSUM for t in (dst, data1, data2))
     if integer and engine is _Engine.gpsimd and in_psum:
         raise EmulatorError("tensor_tensor on engine=gpsimd with a PSUM tile: GpSimd Engine cannot access PSUM")
     if integer and engine is not _Engine.vector and not in_psum and _core.platform().sdk_release >= (2, 29):
         exact = op.fn(data1._array.astype(np.int64), data2._array.astype(np.int64))
-        info = np.iinfo(dst.dtype)
+        info = np.iinfo(dst._dtype)
         if (exact < info.min).any() or (exact > info.max).any():
-            raise EmulatorError(f"tensor_tensor {op!r} on GpSimd: a result outside {dst.dtype}; what native integer "
+            raise EmulatorError(f"tensor_tensor {op!r} on GpSimd: a result outside {dst._dtype}; what native integer "
                                 f"arithmetic does on overflow is not documented")
-        dst._array[...] = exact.astype(dst.dtype)
+        dst._array[...] = exact.astype(dst._dtype)
         return
     _write(dst, op.fn(_fp32(data1), _fp32(data2)))
 
@@ -395,25 +395,25 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             raise EmulatorError(f"nc_matmul {what} must be an SBUF tile")
         if t.ndim != 2:
             raise EmulatorError(f"nc_matmul {what} must be 2-d")
-        if t.dtype not in _core.MATMUL_DTYPES:
-            raise EmulatorError(f"nc_matmul {what} dtype {t.dtype} is not a Tensor Engine input type")
+        if t._dtype not in _core.MATMUL_DTYPES:
+            raise EmulatorError(f"nc_matmul {what} dtype {t._dtype} is not a Tensor Engine input type")
         # Input types (nki.isa.nc_matmul, "Data types": the 2.33 page,
         # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.nc_matmul.html,
         # whose text is the nc_matmul docstring of aws-neuron-sdk's nki/api/nki/isa/__init__.py):
         # float8_e4m3 / float8_e5m2 / bfloat16 / float16 / tfloat32 / float32, and float8_e4m3fn
         # starting NeuronCore-v4.
-        if t.dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
+        if t._dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
             raise EmulatorError(f"nc_matmul {what} is float8_e4m3fn, a NeuronCore-v4 format; this platform is "
                                 f"{_core.platform().generation} (NeuronCore-v{_core.platform().nc_version})")
     # Same page: the two inputs may differ in dtype, except that a float32 input needs a float32 partner
     # and legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed.
-    if (stationary.dtype == np.float32) != (moving.dtype == np.float32):
-        raise EmulatorError(f"nc_matmul input dtypes {stationary.dtype} x {moving.dtype}: fp32 pairs only with fp32")
-    if {stationary.dtype, moving.dtype} == {_core.float8_e4m3, _core.float8_e4m3fn}:
+    if (stationary._dtype == np.float32) != (moving._dtype == np.float32):
+        raise EmulatorError(f"nc_matmul input dtypes {stationary._dtype} x {moving._dtype}: fp32 pairs only with fp32")
+    if {stationary._dtype, moving._dtype} == {_core.float8_e4m3, _core.float8_e4m3fn}:
         raise EmulatorError("nc_matmul cannot mix float8_e4m3 and float8_e4m3fn inputs")
     # Same page: dst is a float32 tile on NeuronCore-v2/v3; starting NeuronCore-v4 float32 or bfloat16.
     dst_dtypes = (np.float32,) if _core.platform().nc_version < 4 else (np.float32, _core.bfloat16)
-    if not isinstance(dst, Tensor) or dst.buffer is not PSUM or dst.dtype not in dst_dtypes:
+    if not isinstance(dst, Tensor) or dst.buffer is not PSUM or dst._dtype not in dst_dtypes:
         raise EmulatorError("nc_matmul dst must be an fp32 PSUM tile" + ("" if len(dst_dtypes) == 1 else " or bf16"))
     if tile_position or tile_size or perf_mode is not None:
         raise EmulatorError("nc_matmul tiling (tile_position, tile_size) and perf_mode are not emulated")
@@ -429,11 +429,11 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if moving.shape[0] != k:
         raise EmulatorError(f"nc_matmul contraction (partition) sizes differ: {k} vs {moving.shape[0]}")
     moving_fmax = (_core.GEMM_MOVING_FMAX if _core.platform().nc_version < 4
-                   else _core.GEMM_MOVING_FMAX_V4[np.dtype(dst.dtype).name])
+                   else _core.GEMM_MOVING_FMAX_V4[np.dtype(dst._dtype).name])
     if m > _core.GEMM_STATIONARY_FMAX or moving.shape[1] > moving_fmax:
         raise EmulatorError(f"nc_matmul free sizes {m} (stationary, <= {_core.GEMM_STATIONARY_FMAX}) / {moving.shape[1]} "
                             f"(moving, <= {moving_fmax} on NeuronCore-v{_core.platform().nc_version} with a "
-                            f"{dst.dtype} dst)")
+                            f"{dst._dtype} dst)")
     if dst.shape != (m, moving.shape[1]):
         raise EmulatorError(f"nc_matmul dst must be {(m, moving.shape[1])}, got {dst.shape}")
     _write(dst, (_fp32(stationary).astype(np.float64).T @ _fp32(moving).astype(np.float64)).astype(np.float32))
@@ -457,13 +457,13 @@ def register_load(dst, src):
         raise EmulatorError("register_load src must be an SBUF or HBM tensor")
     if src.shape not in ((1,), (1, 1)):
         raise EmulatorError(f"register_load src must hold exactly one element (shape [1] or [1, 1]), got {src.shape}")
-    if src.dtype.itemsize > 4:
-        raise EmulatorError(f"register_load reads values of up to 32 bits, got {src.dtype}")
-    if not _core.is_int(src.dtype):
-        raise EmulatorError(f"register_load of a {src.dtype} value is not emulated; load an integer tile")
+    if src._dtype.itemsize > 4:
+        raise EmulatorError(f"register_load reads values of up to 32 bits, got {src._dtype}")
+    if not _core.is_int(src._dtype):
+        raise EmulatorError(f"register_load of a {src._dtype} value is not emulated; load an integer tile")
     _cores.note_read(src, "register_load src")
     value = src._array.reshape(-1)[0]
-    if value == _core.poison((1,), src.dtype)[0]:
+    if value == _core.poison((1,), src._dtype)[0]:
         raise EmulatorError("register_load reads memory that was never written")
     dst._value = int(value)
 

@@ -17,16 +17,12 @@ shared_hbm = SHARED_HBM
 private_hbm = PRIVATE_HBM
 hbm = PRIVATE_HBM
 
-# Data types.
-bool_ = np.dtype(np.bool_)
-int8, uint8 = np.dtype(np.int8), np.dtype(np.uint8)
-int16, uint16 = np.dtype(np.int16), np.dtype(np.uint16)
-int32, uint32 = np.dtype(np.int32), np.dtype(np.uint32)
-float16, float32 = np.dtype(np.float16), np.dtype(np.float32)
-bfloat16 = _core.bfloat16
-float8_e4m3 = _core.float8_e4m3
-float8_e4m3fn = _core.float8_e4m3fn
-float8_e5m2 = _core.float8_e5m2
+# Data types: NKI's are strings ("DType = str", the nki.language stub), each naming a NumPy dtype
+# (ml_dtypes for bfloat16 and the fp8 formats).
+bool_ = "bool_"
+int8, uint8, int16, uint16, int32, uint32 = "int8", "uint8", "int16", "uint16", "int32", "uint32"
+float16, float32, bfloat16 = "float16", "float32", "bfloat16"
+float8_e4m3, float8_e4m3fn, float8_e5m2 = "float8_e4m3", "float8_e4m3fn", "float8_e5m2"
 
 
 class _TileSize:
