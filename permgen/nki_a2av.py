@@ -84,7 +84,8 @@ def exchange_for(replica_group, generation, exchange=None, lnc=2):
     checked against what the pages state (an unknown name, or all_to_all_v on trn3 below LNC=2, is an error)."""
     if generation not in GENERATIONS:
         raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
-    _rank_lists(replica_group)
+    if not isinstance(replica_group, ncc.ReplicaGroup):
+        raise TypeError(f"replica_group must be an ncc.ReplicaGroup, got {type(replica_group).__name__}")
     if exchange is None:
         return DEFAULT_EXCHANGE[generation]
     if exchange not in EXCHANGES:
@@ -93,13 +94,6 @@ def exchange_for(replica_group, generation, exchange=None, lnc=2):
         raise ValueError(f"exchange {exchange!r} on trn3 needs LNC=2 (all_to_all_v on a NeuronSwitch \"requires "
                          f"LNC=2\"); this launch runs LNC={lnc}: use exchange='all_to_all'")
     return exchange
-
-
-def _rank_lists(replica_group):
-    groups = getattr(replica_group, "groups", None)
-    if groups is None:
-        raise TypeError(f"replica_group must be an ncc.ReplicaGroup, got {type(replica_group).__name__}")
-    return groups
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,11 +513,9 @@ def _check_routing(packed_source_indices, send_counts, num_rows, replica_group, 
         raise ValueError(f"send_counts must be non-negative, got {send_counts.tolist()}")
     if int(send_counts.astype(np.int64).sum()) != num_rows:
         raise ValueError(f"send_counts {send_counts.tolist()} must sum to the {num_rows} routed rows")
+    # One column per rank of the rank-list: ReplicaGroup documents no field to read its rank-lists from, so
+    # the kernel's first collective (the counts' all_to_all, one count per peer) is what checks it.
     exchange_for(replica_group, generation, exchange, logical_cores())
-    sizes = {len(ranks) for ranks in _rank_lists(replica_group)}
-    if sizes != {send_counts.shape[1]}:
-        raise ValueError(f"send_counts has {send_counts.shape[1]} columns but the replica group's rank-lists hold "
-                         f"{sorted(sizes)} ranks: one column per rank of the rank-list")
     return packed_source_indices.astype(np.int32), send_counts
 
 
