@@ -17,6 +17,7 @@ functions then serve. Each call runs eagerly and compiled (backend "aot_eager" o
 """
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
