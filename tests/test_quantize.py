@@ -32,6 +32,15 @@ from reference import permute_grads_ref, plan_routes, quantize_ref
 QUANTIZING = {target: [n for n in variants_for(target) if permgen.VARIANTS[n]["quantize"] != "none"]
               for target in ("triton", "nki")}
 TARGET_VARIANTS = [(t, n) for t, names in QUANTIZING.items() for n in names]
+
+
+@pytest.fixture(autouse=True)
+def _on_neuroncore_v4(monkeypatch):
+    """The NKI quantising kernels refuse NeuronCore-v3 (no float8_e4m3fn compute on Trn2): run them on Trn3."""
+    from test_nki_kernels import generation_for
+
+    with generation_for({"quantize": "mx32"}, monkeypatch):
+        yield
 # The other dtypes the axis takes, with the other scale kind, routing and padding than the spec's
 # variants: generated into a temporary folder by the test.
 OTHER_DTYPES_SPEC = """
