@@ -466,7 +466,7 @@ class Ops:
     # -- the public functions ----------------------------------------------------------------------
 
     def permute(self, tokens, routing, probs=None, scale=None, *, num_experts=None, num_out_tokens=None, topk=None,
-                check_routing=None, num_experts_from_ids=False) -> PermuteResult:
+                check_routing=None) -> PermuteResult:
         """Move each token to the rows of the experts it is routed to (expert-major, stable).
 
         tokens [N, H] in the variant's dtype; routing: a [N, E] bool/integer mask (mask variants)
@@ -484,15 +484,20 @@ class Ops:
             past topk are dropped, or refused when check_routing is on).
         check_routing: verify the routing values (one host sync). Default: only when
             num_out_tokens is None (that call synchronises anyway).
-        num_experts_from_ids: index routing without num_experts takes max id + 1 as the expert
-            count (one host sync; under torch.compile a data-dependent size), as
-            TransformerEngine's index maps do.
-
         PermuteResult.dropped counts, on the device, the routes dropped (past num_out_tokens, ids
         outside [-1, E), routes past topk): permute never reads it back.
         """
+        return self.permute_counting_experts(tokens, routing, probs, scale, num_experts=num_experts,
+                                             num_out_tokens=num_out_tokens, topk=topk, check_routing=check_routing,
+                                             from_ids=False)
+
+    def permute_counting_experts(self, tokens, routing, probs=None, scale=None, *, num_experts=None,
+                                 num_out_tokens=None, topk=None, check_routing=None, from_ids=True) -> PermuteResult:
+        """permute; with from_ids, index routing without num_experts takes max id + 1 as the expert
+        count (one host sync; under torch.compile a data-dependent size), as TransformerEngine's
+        index maps do. Not part of a variant module's documented surface: permgen.te calls it."""
         plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
-                             check_routing, num_experts_from_ids)
+                             check_routing, from_ids)
         self.backend.check_device(tokens)
         calls = self._calls(tokens, probs)
         if calls is not None:

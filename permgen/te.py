@@ -161,7 +161,8 @@ def _permute(where, inp, routing_map, probs, num_out_tokens, map_type, pad=0):
             raise ValueError(f"{where}: routing_map of an index map must be [N, k] expert ids, got "
                              f"{getattr(routing_map, 'shape', type(routing_map).__name__)}")
         cap = _rows_kept(num_out_tokens, map_type, where, routing_map.shape[0] * routing_map.shape[1])
-        return mod.permute(inp, routing_map, probs, num_out_tokens=cap, num_experts_from_ids=True)
+        # TE's index maps carry no expert count: the op counts them (max id + 1) itself
+        return mod._ops.permute_counting_experts(inp, routing_map, probs, num_out_tokens=cap)
     return mod.permute(inp, routing_map, probs, num_out_tokens=_rows_kept(num_out_tokens, map_type, where, None))
 
 
