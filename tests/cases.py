@@ -213,6 +213,30 @@ SUM_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2), torch.float16: dict(rto
 PROB_GRAD_TOL = dict(rtol=1e-4, atol=1e-4)  # <row, grad> summed over H in fp32
 
 
+def leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def assert_close(got, want, what, tol=None):
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **(tol or SUM_TOL[want.dtype]), msg=lambda m: f"{what}: {m}")
+
+
+# Token grads that add several outputs' grads (autograd sums them in that dtype, in an order
+# that differs between the kernels and the reference): a few ulps of the largest grad.
+TOKEN_GRAD_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=8e-2), torch.float16: dict(rtol=2e-3, atol=1e-2),
+                  torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def check_grads(ours, ref, leaves_ours, leaves_ref, g):
+    """Backward of every output (random grads) through ours and through the reference: input grads agree."""
+    grads = [torch.randn(o.shape, generator=g).to(o.dtype).to(DEVICE) for o in ref]
+    torch.autograd.backward(list(ours), grads)
+    torch.autograd.backward(list(ref), grads)
+    for i, (a, b) in enumerate(zip(leaves_ours, leaves_ref)):
+        assert_close(a.grad, b.grad, f"grad {i}", TOKEN_GRAD_TOL[a.dtype] if i == 0 else PROB_GRAD_TOL)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as integers: moved data compares exactly (NaN == NaN, -0 != 0, fp8-safe)."""
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import permgen
-from cases import (DEVICE, HAS_CUDA, PROB_GRAD_TOL, SUM_TOL, assert_bits_equal, expert_ids, generator_for,
+from cases import (DEVICE, HAS_CUDA, assert_bits_equal, assert_close, check_grads, expert_ids, generator_for, leaf,
                    routing_from_ids)
 from reference import permute_ref, unpermute_ref
 
@@ -45,30 +45,6 @@ def inputs(g, dtype, n=N, columns=E):
     ids = expert_ids(n, E, K, g)
     probs = torch.rand(n, columns, generator=g).to(DEVICE)
     return tokens, ids.to(DEVICE), probs
-
-
-def leaf(t):
-    return t.detach().clone().requires_grad_()
-
-
-def assert_close(got, want, what, tol=None):
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
-    torch.testing.assert_close(got.cpu(), want.cpu(), **(tol or SUM_TOL[want.dtype]), msg=lambda m: f"{what}: {m}")
-
-
-# Token grads here add several paths' bf16/fp16 grads (autograd sums them in that dtype, in an order
-# that differs between the kernels and the reference): a few ulps of the largest grad.
-TOKEN_GRAD_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=8e-2), torch.float16: dict(rtol=2e-3, atol=1e-2),
-                  torch.float32: dict(rtol=1e-5, atol=1e-5)}
-
-
-def check_grads(ours, ref, leaves_ours, leaves_ref, g):
-    """Backward of every output (random grads) through ours and through the reference: input grads agree."""
-    grads = [torch.randn(o.shape, generator=g).to(o.dtype).to(DEVICE) for o in ref]
-    torch.autograd.backward(list(ours), grads)
-    torch.autograd.backward(list(ref), grads)
-    for i, (a, b) in enumerate(zip(leaves_ours, leaves_ref)):
-        assert_close(a.grad, b.grad, f"grad {i}", TOKEN_GRAD_TOL[a.dtype] if i == 0 else PROB_GRAD_TOL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import permgen
-from cases import (DEVICE, HAS_CUDA, PROB_GRAD_TOL, SUM_TOL, assert_bits_equal, expert_ids, generator_for, load,
-                   routing_from_ids)
+from cases import (DEVICE, HAS_CUDA, assert_bits_equal, assert_close, check_grads, expert_ids, generator_for, leaf,
+                   load, routing_from_ids)
 from reference import permute_ref, unpermute_ref
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,29 +84,6 @@ def fresh_dynamo():
 
 def compiled_if(mode, fn):
     return torch.compile(fn, fullgraph=True, backend=BACKEND, dynamic=False) if mode == "compiled" else fn
-
-
-def leaf(t):
-    return t.detach().clone().requires_grad_()
-
-
-def assert_close(got, want, what, tol=None):
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
-    torch.testing.assert_close(got.cpu(), want.cpu(), **(tol or SUM_TOL[want.dtype]), msg=lambda m: f"{what}: {m}")
-
-
-# Token grads add the grads of several outputs (autograd sums them in the token dtype, in an order
-# that differs between the kernels and the reference): a few ulps of the largest grad.
-TOKEN_GRAD_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=8e-2), torch.float16: dict(rtol=2e-3, atol=1e-2),
-                  torch.float32: dict(rtol=1e-5, atol=1e-5)}
-
-
-def check_grads(ours, ref, leaves_ours, leaves_ref, g):
-    grads = [torch.randn(o.shape, generator=g).to(o.dtype).to(DEVICE) for o in ref]
-    torch.autograd.backward(list(ours), grads)
-    torch.autograd.backward(list(ref), grads)
-    for i, (a, b) in enumerate(zip(leaves_ours, leaves_ref)):
-        assert_close(a.grad, b.grad, f"grad {i}", TOKEN_GRAD_TOL[a.dtype] if i == 0 else PROB_GRAD_TOL)
 
 
 @dataclass(frozen=True)
