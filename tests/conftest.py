@@ -31,7 +31,7 @@ settings.register_profile(
     "permgen",
     derandomize=True,
     deadline=None,
-    max_examples=int(os.environ.get("PERMGEN_MAX_EXAMPLES", 40 if HAS_CUDA else 4)),
+    max_examples=int(os.environ.get("PERMGEN_MAX_EXAMPLES", 40 if HAS_CUDA else 3)),
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
     database=None,
