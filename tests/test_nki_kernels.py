@@ -320,7 +320,7 @@ def test_sum_routes_kernel_directly():
 
 
 # ---------------------------------------------------------------------------------------------
-# The target's own errors (the shared contract's are tested in test_runtime_errors.py)
+# The target's own errors (the shared contract's are tested in test_bad_inputs.py)
 # ---------------------------------------------------------------------------------------------
 
 def test_nki_limits_and_device():

@@ -6,7 +6,7 @@ a Trainium host).
   schemas as the Triton module's ops;
 - permute's backward pass (token and prob gradients) agrees with the Triton variant's for every
   variant (forward data, row maps, unpermute and its gradients: test_nki_triton_parity.py;
-  signatures and errors: test_contract.py);
+  signatures and errors: test_bad_inputs.py);
 - permute -> experts -> unpermute compiles with torch.compile(backend="neuron", fullgraph=True),
   forward and backward, each kernel call one node of its own op, bit-identical to eager;
 - calls through the dispatcher keep the nki_op contract (no undeclared writes, no aliasing);
