@@ -1,97 +1,305 @@
-"""The Markdown tables of PERFORMANCE.md and the README, from the committed benchmark results.
+"""The Markdown tables of PERFORMANCE.md and the README, rendered from the committed benchmark results.
 
-    python3 benchmarks/tables.py [--results benchmarks/results] [--baseline 899ed6f]
+    python3 benchmarks/tables.py            # rewrite every table between its markers
+    python3 benchmarks/tables.py --check    # exit 1, naming the tables, if a file is not current
+    python3 benchmarks/tables.py --print    # print the tables instead
 
-Prints three tables: every variant and call (eager / graph ratios to the copy floor, the
-baseline's graph ratio in brackets beside the same call), the README's summary (graph ratios),
-and the quantising variants. The baseline's results are read from git; its mask variants were
-timed with `topk` (then the only fast call), its index variants without hints. Needs no GPU.
+Each table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` in PERFORMANCE.md or
+README.md; everything between the markers is replaced. The sources are benchmarks/results/
+bench.json (make bench), bench_quantize.json (make bench-quantize, part of make bench) and
+bench_ep.json (make bench-ep). A table whose results are absent renders as nothing. Needs no GPU.
 """
 
 import argparse
 import json
-import subprocess
+import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+FILES = (ROOT / "PERFORMANCE.md", ROOT / "README.md")
 OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd")
-SHAPES = {"deepseek_v3": ("DeepSeek-V3", "H=7168, E=256, k=8"), "qwen3_moe": ("Qwen3-MoE", "H=2048, E=128, k=8"),
-          "mixtral": ("Mixtral", "H=4096, E=8, k=2")}
+OP_HEADERS = "permute | unpermute | permute bwd | unpermute bwd"
+LARGE_SHAPES = {"deepseek_v3": ("DeepSeek-V3", "H=7168, E=256, k=8"), "qwen3_moe": ("Qwen3-MoE", "H=2048, E=128, k=8"),
+                "mixtral": ("Mixtral", "H=4096, E=8, k=2")}
+SMALL_SHAPES = {"deepseek_v3_4k": ("DeepSeek-V3, N=4096", ""), "small": ("small", "N=1024, H=1024, E=16, k=2")}
+SHAPES = {**LARGE_SHAPES, **SMALL_SHAPES}
 ROWS = [("probs_bf16_mask", "plain"), ("probs_bf16_mask", "topk"), ("probs_bf16_index", "plain"),
         ("probs_pad128_bf16_mask", "plain"), ("probs_pad128_bf16_mask", "topk"),
         ("probs_pad128_fp8e4m3_block128_mask", "plain"), ("probs_pad128_fp8e4m3_block128_mask", "topk")]
+HOST_COST_KEY = "host_cost"  # bench.json's host-path figures, when the run measured them
 
 
-def by_key(results):
-    """(shape, variant, call, op) -> result; results without a call are the baseline's."""
-    table = {}
-    for r in results:
-        call = r.get("call") or ("topk" if r["variant"].endswith("_mask") else "plain")
-        table[r["shape"], r["variant"], call, r["op"]] = r
-    return table
+def load(name):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
 
 
-def variants_table(ours, base):
-    lines = ["| shape | variant | call | permute | unpermute | permute bwd | unpermute bwd |",
-             "|---|---|---|---|---|---|---|"]
-    for shape, (name, sizes) in SHAPES.items():
-        label = f"{name} {sizes.replace(',', '')}"
+def shape_label(shape):
+    name, sizes = SHAPES.get(shape, (shape, ""))
+    return f"{name} ({sizes})" if sizes else name
+
+
+def fmt(value, digits=2):
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def by_key(bench):
+    return {(r["shape"], r["variant"], r["call"], r["op"]): r for r in bench["results"]}
+
+
+def call_name(call):
+    return "no hint" if call == "plain" else "topk"
+
+
+def variants_table(bench):
+    """Every variant and call at the large shapes: eager / graph ratio to the copy floor."""
+    ours = by_key(bench)
+    rows = []
+    for shape in LARGE_SHAPES:
+        label = shape_label(shape)
         for variant, call in ROWS:
+            if (shape, variant, call, "permute") not in ours:
+                continue
             cells = []
             for op in OPS:
                 r = ours[shape, variant, call, op]
                 if op == "permute_bwd" and "fp8" in variant:
-                    cells.append("prob grads only")  # fp8 tokens carry no grad: a launch-bound few MB
-                    continue
-                cell = f"{r['ratio_to_floor']:.2f} / {r['graph_ratio_to_floor']:.2f}"
-                b = base.get((shape, variant, call, op))
-                cells.append(cell + (f" ({b['graph_ratio_to_floor']:.2f})" if b else ""))
-            lines.append(f"| {label} | {variant} | {'no hint' if call == 'plain' else 'topk'} | {' | '.join(cells)} |")
+                    cells.append("prob grads only")  # fp8 rows carry no gradient: a launch-bound few MB
+                else:
+                    cells.append(f"{r['ratio_to_floor']:.2f} / {r['graph_ratio_to_floor']:.2f}")
+            rows.append([label, variant, call_name(call), *cells])
             label = ""
-    return "\n".join(lines)
+    return table(["shape", "variant", "call", *OP_HEADERS.split(" | ")], rows)
 
 
-def readme_table(ours):
-    lines = ["| shape | permute (incl. routing) | unpermute (merging probs) | permute bwd | unpermute bwd |",
-             "|---|---|---|---|---|"]
-    for shape, (name, sizes) in SHAPES.items():
+def small_shapes_table(bench):
+    """The launch-bound shapes, as GPU time in us (graph replays), each variant as TE users call it."""
+    ours = by_key(bench)
+    rows = []
+    for shape in SMALL_SHAPES:
+        label = shape_label(shape)
+        for variant, call in ROWS:
+            if call != "plain" or (shape, variant, call, "permute") not in ours:
+                continue
+            cells = [f"{ours[shape, variant, call, op]['graph_time_us']:.1f}" for op in OPS]
+            rows.append([label, variant, *cells])
+            label = ""
+    return table(["shape", "variant (no hint)", *OP_HEADERS.split(" | ")], rows)
+
+
+def peers_table(bench):
+    """Speedups over the PyTorch-native path and megatron-core's unfused permutation (eager calls on
+    the same data; mask routing as TE users call it)."""
+    ours = by_key(bench)
+    rows = []
+    for shape in LARGE_SHAPES:
+        for variant in ("probs_bf16_mask",):
+            if (shape, variant, "plain", "permute") not in ours:
+                continue
+            cells = [f"{fmt(r.get('speedup_vs_torch'), 1)} / {fmt(r.get('speedup_vs_megatron'), 1)}"
+                     for r in (ours[shape, variant, "plain", op] for op in OPS)]
+            rows.append([shape_label(shape), *cells])
+    return table(["shape", *OP_HEADERS.split(" | ")], rows)
+
+
+def run_line(bench):
+    return (f"{bench['gpu']}, torch {bench['torch']}, Triton {bench['triton']}, Python {bench.get('python', '?')}: "
+            f"`{bench['command']}`")
+
+
+def readme_table(bench):
+    ours = by_key(bench)
+    rows = []
+    for shape, (name, sizes) in LARGE_SHAPES.items():
         for variant, label in (("probs_bf16_index", f"{name} ({sizes}), index routing"),
                                ("probs_bf16_mask", f"{name}, mask routing, no `topk`")):
-            cells = [f"{ours[shape, variant, 'plain', op]['graph_ratio_to_floor']:.2f}" for op in OPS]
-            lines.append(f"| {label} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+            if (shape, variant, "plain", "permute") in ours:
+                rows.append([label, *(f"{ours[shape, variant, 'plain', op]['graph_ratio_to_floor']:.2f}" for op in OPS)])
+    return table(["shape", "permute (incl. routing)", "unpermute (merging probs)", "permute bwd", "unpermute bwd"], rows)
 
 
-def quantize_table(results):
-    lines = ["| shape | quantising variant | rows | ours | (a) bf16 permute | (b) quantise + FP8 permute "
-             "| (c) broadcast | floor | (a)/ours | (b)/ours | ours/(c) | ours/(c) per byte | ours/floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    seen = set()
-    for r in results:
+def bandwidth_table(bench):
+    rows = [["device-to-device copy (read + written): the floor", f"{bench['copy_gbps']:.0f}", "1.00"]]
+    for name, gbps in bench.get("reference_gbps", {}).items():
+        rows.append([name, f"{gbps:.0f}", f"{bench['copy_gbps'] / gbps:.2f}"])
+    return table(["pattern (DeepSeek-V3's permute traffic)", "GB/s", "time over the copy floor"], rows)
+
+
+def round_trip_table(bench):
+    trips = bench.get("small_round_trip_us")
+    if not trips:
+        return ""
+    rows = [[variant, *(fmt(t.get(key), 1) for key in
+                        ("eager_us", "autograd_eager_us", "graph_replay_us", "compiled_reduce_overhead_us"))]
+            for variant, t in trips.items() if isinstance(t, dict)]
+    text = table(["variant", "eager", "eager, through autograd", "CUDA graph replay", "torch.compile reduce-overhead"], rows)
+    if "compiled_floor_us" in trips:
+        text += (f"\n\nOne pointwise op on the same inputs, compiled the same way: "
+                 f"{trips['compiled_floor_us']:.1f} us per call.")
+    return text
+
+
+def host_cost_table(bench):
+    """The host path's figures, in whatever rows and columns the run recorded them."""
+    cost = bench.get(HOST_COST_KEY)
+    if not cost:
+        return ""
+    if all(not isinstance(v, dict) for v in cost.values()):
+        return table(["measure", "value"], [[k, fmt(v, 1)] for k, v in cost.items()])
+    columns = list(dict.fromkeys(c for v in cost.values() if isinstance(v, dict) for c in v))
+    rows = [[k, *(fmt(v.get(c), 1) if isinstance(v, dict) else fmt(v, 1) for c in columns)] for k, v in cost.items()]
+    return table(["", *columns], rows)
+
+
+def bookkeeping_table(bench):
+    keep = bench.get("bookkeeping")
+    if not keep:
+        return ""
+    rows, sizes = [], set()
+    for v, b in keep.items():  # one row per distinct layout (the mask variants keep the same map)
+        if (b["ours_bytes"], b["dense_map_bytes"]) not in sizes:
+            sizes.add((b["ours_bytes"], b["dense_map_bytes"]))
+            rows.append([v, f"{b['ours_bytes'] / 1e6:.2f}", f"{b['dense_map_bytes'] / 1e6:.1f}"])
+    return table(["variant (DeepSeek-V3, N=16384, no topk hint)", "row map, MB", "dense [N, 2E+1] map, MB"], rows)
+
+
+def chunk_sort_table(bench):
+    rows = [[shape_label(r["shape"]), f"{r['chunks']}", f"{r['ours_us']:.0f}", f"{r['floor_ratio']:.2f}",
+             f"{r['torch_us']:.0f}", f"{r['speedup_vs_torch']:.2f}"] for r in bench.get("chunk_sort", [])]
+    return table(["shape", "chunks", "ours, us", "ratio to floor", "torch.split + torch.cat, us", "speedup"], rows) if rows else ""
+
+
+def quantize_table(quant):
+    rows, seen = [], set()
+    for r in quant["results"]:
         name, sizes = SHAPES[r["shape"]]
         label = name if r["shape"] in seen else f"{name} ({sizes})"
         seen.add(r["shape"])
         separate = f"{r['separate_us']:.0f} ({r['group_quant_us']:.0f} + {r['separate_us'] - r['group_quant_us']:.0f})"
-        lines.append(f"| {label} | {r['variant']} | {r['rows']} | {r['quantising_us']:.0f} "
-                     f"| {r['bf16_permute_us']:.0f} | {separate} "
-                     f"| {r['broadcast_us']:.0f} | {r['floor_us']:.0f} | {r['vs_bf16']:.2f} | {r['vs_separate']:.2f} "
-                     f"| {r['vs_broadcast']:.2f} | {r['vs_broadcast_per_byte']:.2f} | {r['vs_floor']:.2f} |")
-    return "\n".join(lines)
+        rows.append([label, r["variant"], str(r["rows"]), f"{r['quantising_us']:.0f}", f"{r['bf16_permute_us']:.0f}",
+                     separate, f"{r['broadcast_us']:.0f}", f"{r['floor_us']:.0f}", f"{r['vs_bf16']:.2f}",
+                     f"{r['vs_separate']:.2f}", f"{r['vs_broadcast']:.2f}", f"{r['vs_broadcast_per_byte']:.2f}",
+                     f"{r['vs_floor']:.2f}"])
+    return table(["shape", "quantising variant", "rows", "ours", "(a) bf16 permute", "(b) quantise + FP8 permute",
+                  "(c) broadcast", "floor", "(a)/ours", "(b)/ours", "ours/(c)", "ours/(c) per byte", "ours/floor"], rows)
+
+
+EP_TIMES = (("a2a", "a2a"), ("dispatch", "dispatch"), ("combine", "combine"), ("dispatch bwd", "dispatch_backward"),
+            ("combine bwd", "combine_backward"), ("permute", "permute"), ("unpermute", "unpermute"),
+            ("permute bwd", "permute_backward"), ("unpermute bwd", "unpermute_backward"),
+            ("torch dispatch", "torch_dispatch"), ("torch combine", "torch_combine"))
+EP_BEYOND = (("dispatch / permute", "dispatch_beyond_over_permute"),
+             ("combine / unpermute", "combine_beyond_over_unpermute"),
+             ("dispatch bwd / permute bwd", "dispatch_backward_beyond_over_permute_backward"),
+             ("combine bwd / unpermute bwd", "combine_backward_beyond_over_unpermute_backward"),
+             ("capacity dispatch / permute", "dispatch_capacity_beyond_over_permute"),
+             ("capacity combine / unpermute", "combine_capacity_beyond_over_unpermute"))
+
+
+def ep_times_table(ep):
+    rows = [[SHAPES.get(r["shape"], (r["shape"],))[0], *(fmt(r["time_us"].get(key), 0) for _, key in EP_TIMES)]
+            for r in ep["results"]]
+    return table(["shape", *(name for name, _ in EP_TIMES)], rows)
+
+
+def ep_beyond_table(ep):
+    rows = [[SHAPES.get(r["shape"], (r["shape"],))[0], *(fmt(r.get("summary", {}).get(key)) for _, key in EP_BEYOND)]
+            for r in ep["results"]]
+    return table(["shape", *(name for name, _ in EP_BEYOND)], rows)
+
+
+def ep_estimate_table(ep):
+    """The paper estimate at EP=64, for shapes with at least one expert per rank."""
+    rows = []
+    for r in ep["results"]:
+        est = r.get("ep64_estimate")
+        if not est or r["E"] < 64:
+            continue
+        rows.append([SHAPES.get(r["shape"], (r["shape"],))[0], f"{est['bytes_per_rank'] / 1e9:.2f} GB",
+                     f"{est['inter_node_bytes'] / 1e9:.2f} GB", f"{est['a2a_us'] / 1e3:.1f} ms",
+                     f"{est['local_dispatch_us'] / 1e3:.2f} ms", f"{est['local_combine_us'] / 1e3:.2f} ms",
+                     f"{100 * est['local_share_dispatch']:.1f}%"])
+    return table(["shape", "bytes per rank", "to other nodes (56/64)", "all-to-all", "local dispatch",
+                  "local combine", "local share of dispatch"], rows) if rows else ""
+
+
+def render_all():
+    """Table name -> Markdown (empty where its results are absent)."""
+    bench, quant, ep = load("bench.json"), load("bench_quantize.json"), load("bench_ep.json")
+    tables = {}
+    if bench:
+        tables.update({"run": run_line(bench), "variants": variants_table(bench), "small-shapes": small_shapes_table(bench),
+                       "peers": peers_table(bench), "readme-summary": readme_table(bench),
+                       "bandwidth": bandwidth_table(bench), "round-trip": round_trip_table(bench),
+                       "host-cost": host_cost_table(bench), "bookkeeping": bookkeeping_table(bench),
+                       "chunk-sort": chunk_sort_table(bench)})
+    if quant:
+        tables["quantize"] = quantize_table(quant)
+    if ep:
+        tables.update({"ep-times": ep_times_table(ep), "ep-beyond": ep_beyond_table(ep),
+                       "ep-estimate": ep_estimate_table(ep)})
+    return tables
+
+
+MARKED = re.compile(r"(<!-- table:([a-z0-9-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+
+
+def rewrite(text, tables):
+    """text with every marked table replaced; the names of the tables that changed."""
+    changed = []
+
+    def fill(match):
+        name = match.group(2)
+        body = tables.get(name, "")
+        body = body + "\n" if body else ""
+        if body != match.group(3):
+            changed.append(name)
+        return match.group(1) + body + match.group(4)
+
+    return MARKED.sub(fill, text), changed
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--baseline", default="899ed6f", help="commit whose bench.json gives the bracketed ratios")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables are not current")
+    parser.add_argument("--print", action="store_true", help="print the tables, write nothing")
     args = parser.parse_args()
-    ours = by_key(json.loads((args.results / "bench.json").read_text())["results"])
-    shown = subprocess.run(["git", "show", f"{args.baseline}:benchmarks/results/bench.json"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout
-    base = by_key(json.loads(shown)["results"])
-    print(variants_table(ours, base), readme_table(ours), sep="\n\n")
-    print()
-    print(quantize_table(json.loads((args.results / "bench_quantize.json").read_text())["results"]))
+    tables = render_all()
+    if args.print:
+        for name, body in tables.items():
+            print(f"<!-- table:{name} -->\n{body}\n")
+        return 0
+    stale = []
+    for path in FILES:
+        text = path.read_text()
+        new, changed = rewrite(text, tables)
+        if changed and args.check:
+            stale.append(f"{path.relative_to(ROOT)}: {', '.join(changed)}")
+        elif changed:
+            path.write_text(new)
+            print(f"{path.relative_to(ROOT)}: rewrote {', '.join(changed)}")
+    if stale:
+        print("tables out of date with benchmarks/results (run python3 benchmarks/tables.py):\n  " + "\n  ".join(stale),
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
