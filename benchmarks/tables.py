@@ -130,8 +130,10 @@ def readme_table(bench):
         for variant, label in (("probs_bf16_index", f"{name} ({sizes}), index routing"),
                                ("probs_bf16_mask", f"{name}, mask routing, no `topk`")):
             if (shape, variant, "plain", "permute") in ours:
-                rows.append([label, *(f"{ours[shape, variant, 'plain', op]['graph_ratio_to_floor']:.2f}" for op in OPS)])
-    return table(["shape", "permute (incl. routing)", "unpermute (merging probs)", "permute bwd", "unpermute bwd"], rows)
+                cells = [f"{ours[shape, variant, 'plain', op]['graph_ratio_to_floor']:.2f}" for op in OPS]
+                rows.append([label, *cells])
+    header = ["shape", "permute (incl. routing)", "unpermute (merging probs)", "permute bwd", "unpermute bwd"]
+    return table(header, rows)
 
 
 def bandwidth_table(bench):
@@ -148,7 +150,8 @@ def round_trip_table(bench):
     rows = [[variant, *(fmt(t.get(key), 1) for key in
                         ("eager_us", "autograd_eager_us", "graph_replay_us", "compiled_reduce_overhead_us"))]
             for variant, t in trips.items() if isinstance(t, dict)]
-    text = table(["variant", "eager", "eager, through autograd", "CUDA graph replay", "torch.compile reduce-overhead"], rows)
+    text = table(["variant", "eager", "eager, through autograd", "CUDA graph replay",
+                  "torch.compile reduce-overhead"], rows)
     if "compiled_floor_us" in trips:
         text += (f"\n\nOne pointwise op on the same inputs, compiled the same way: "
                  f"{trips['compiled_floor_us']:.1f} us per call.")
@@ -182,7 +185,9 @@ def bookkeeping_table(bench):
 def chunk_sort_table(bench):
     rows = [[shape_label(r["shape"]), f"{r['chunks']}", f"{r['ours_us']:.0f}", f"{r['floor_ratio']:.2f}",
              f"{r['torch_us']:.0f}", f"{r['speedup_vs_torch']:.2f}"] for r in bench.get("chunk_sort", [])]
-    return table(["shape", "chunks", "ours, us", "ratio to floor", "torch.split + torch.cat, us", "speedup"], rows) if rows else ""
+    if not rows:
+        return ""
+    return table(["shape", "chunks", "ours, us", "ratio to floor", "torch.split + torch.cat, us", "speedup"], rows)
 
 
 def quantize_table(quant):
@@ -197,7 +202,8 @@ def quantize_table(quant):
                      f"{r['vs_separate']:.2f}", f"{r['vs_broadcast']:.2f}", f"{r['vs_broadcast_per_byte']:.2f}",
                      f"{r['vs_floor']:.2f}"])
     return table(["shape", "quantising variant", "rows", "ours", "(a) bf16 permute", "(b) quantise + FP8 permute",
-                  "(c) broadcast", "floor", "(a)/ours", "(b)/ours", "ours/(c)", "ours/(c) per byte", "ours/floor"], rows)
+                  "(c) broadcast", "floor", "(a)/ours", "(b)/ours", "ours/(c)", "ours/(c) per byte", "ours/floor"],
+                 rows)
 
 
 EP_TIMES = (("a2a", "a2a"), ("dispatch", "dispatch"), ("combine", "combine"), ("dispatch bwd", "dispatch_backward"),
@@ -244,8 +250,9 @@ def render_all():
     bench, quant, ep = load("bench.json"), load("bench_quantize.json"), load("bench_ep.json")
     tables = {}
     if bench:
-        tables.update({"run": run_line(bench), "variants": variants_table(bench), "small-shapes": small_shapes_table(bench),
-                       "peers": peers_table(bench), "readme-summary": readme_table(bench),
+        tables.update({"run": run_line(bench), "variants": variants_table(bench),
+                       "small-shapes": small_shapes_table(bench), "peers": peers_table(bench),
+                       "readme-summary": readme_table(bench),
                        "bandwidth": bandwidth_table(bench), "round-trip": round_trip_table(bench),
                        "host-cost": host_cost_table(bench), "bookkeeping": bookkeeping_table(bench),
                        "chunk-sort": chunk_sort_table(bench)})
