@@ -38,7 +38,7 @@ from cases import (
     routing_from_ids,
     variants_for,
 )
-from permgen import nki_host
+from permgen import nki_host, nki_kernels
 from reference import plan_routes
 
 NKI_VARIANTS = variants_for("nki")
@@ -186,7 +186,7 @@ def test_topk_hint_below_the_routes_drops_the_later_experts(name, request):
 def test_hidden_split_across_tiles(name, monkeypatch, request):
     """H wider than one SBUF tile: every kernel's column-block loop and its partial last block."""
     mod = load("nki", name)
-    monkeypatch.setattr(mod, "H_TILE", 128)
+    monkeypatch.setattr(nki_kernels, "H_TILE", 128)  # the kernels' column blocks are nki_kernels' helpers
     case = Case("wide", N=140, H=300, E=7, k=3, cap="drop")
     g = generator_for(request)
     inputs, cap = inputs_and_cap(mod, case, g)

@@ -8,8 +8,8 @@ snapshots of 0.3.0 - 0.5.0 under `by_version`; its `source` field names the stub
   provides only documented names, each with the documented parameters in order, and refuses every
   documented name it does not emulate with a "not emulated" error.
 - Every NKI kernel (generated/nki/*.py, and the hand-written permgen/nki_*.py modules with @nki.jit
-  kernels) uses only names, attributes and keywords the NKI versions it claims to run on document:
-  the README's Trainium host needs Neuron SDK 2.30 (NKI 0.4.0) or newer, so 0.4.0, 0.5.0 and 0.6.0.
+  kernels or exported kernel helpers) uses only names, attributes and keywords the NKI versions it claims to
+  run on document: the README's Trainium host needs Neuron SDK 2.30 (NKI 0.4.0) or newer, so 0.4.0, 0.5.0 and 0.6.0.
 """
 
 from __future__ import annotations
@@ -165,14 +165,19 @@ def _aliases(tree: ast.Module) -> tuple[dict, dict, set]:
 
 
 def _kernel_functions(tree: ast.Module, modules: dict) -> list[ast.FunctionDef]:
-    """The @nki.jit functions and every module-level function they reach (called or passed by name)."""
+    """The @nki.jit functions, the functions a module of kernel helpers exports (its __all__: permgen.nki_kernels,
+    whose helpers the generated kernels call) and every module-level function they reach (called or passed by name)."""
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    exported = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            exported = set(ast.literal_eval(node.value))
 
     def is_jit(decorator) -> bool:
         target = decorator.func if isinstance(decorator, ast.Call) else decorator
         return (isinstance(target, ast.Attribute) and target.attr == "jit" and isinstance(target.value, ast.Name)
                 and modules.get(target.value.id) == "nki")
-    todo = [f for f in functions.values() if any(is_jit(d) for d in f.decorator_list)]
+    todo = [f for f in functions.values() if any(is_jit(d) for d in f.decorator_list) or f.name in exported]
     seen = {f.name for f in todo}
     for f in todo:
         for node in ast.walk(f):
