@@ -14,7 +14,7 @@ from .render import MARKER, GenerationError, Output
 
 RUNTIME = Path(__file__).resolve().parent.parent / "permgen"
 # The runtime modules a Triton module uses, each after the ones it imports.
-TRITON_RUNTIME = ("contract", "results", "ops", "triton_host", "ep")
+TRITON_RUNTIME = ("contract", "results", "ops", "triton_host", "ep", "triton_kernels")
 
 
 def _is_internal(node: ast.stmt) -> bool:

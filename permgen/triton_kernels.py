@@ -1,0 +1,269 @@
+"""The Triton kernels and helpers no variant axis changes, written once.
+
+Each generated module (generated/triton/<variant>.py) imports what it uses from here; `python -m
+generator vendor` inlines them into its self-contained file. What a variant's axes change (its
+routing, probs, scales, padding, quantisation) stays in the template; what differs only by a
+constant is a `tl.constexpr` here, and Triton compiles the branch not taken away: PAD = 0 and
+PAD_GROUPS = 0 mean no padding, MASK selects mask routing's row map.
+
+Triton specialises each kernel on its pointers' dtypes, so one kernel serves every dtype.
+"""
+
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------
+# The row map (int32 words; permgen.results.RowMapLayout states it for the hosts), for N tokens,
+# K slots per token and E experts: dst rows [N * K]; mask routing only: experts [N * K], route
+# counts [N]; then segment offsets [E + 1], segment counts [E], route tallies [2] (routes dropped,
+# routes without a slot). These helpers are the kernels' one statement of it.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def row_map_parts(row_map_ptr, num_tokens, K: tl.constexpr, E: tl.constexpr, MASK: tl.constexpr):
+    """(dst rows, segment offsets, segment counts) pointers into the row map; MASK: mask routing's,
+    which holds each token's experts and route count between the dst rows and the segment table."""
+    segment_offsets_ptr = row_map_ptr + (2 * K + 1 if MASK else K) * num_tokens
+    return row_map_ptr, segment_offsets_ptr, segment_offsets_ptr + E + 1
+
+
+@triton.jit
+def token_routes(row_map_ptr, num_tokens, K: tl.constexpr):
+    """(experts [N, K], route counts [N]) pointers into a mask routing row map; they follow the dst rows."""
+    experts_ptr = row_map_ptr + num_tokens * K
+    return experts_ptr, experts_ptr + num_tokens * K
+
+
+@triton.jit
+def live_routes(row_map_ptr, token, num_tokens, K: tl.constexpr, MASK: tl.constexpr):
+    """How many of the token's K slots to visit: under mask routing its route count, else all K
+    (index routing's ids outside [0, E) route nowhere)."""
+    if MASK:
+        _, route_counts_ptr = token_routes(row_map_ptr, num_tokens, K)
+        count = tl.load(route_counts_ptr + token)
+    else:
+        count = K
+    return count
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing's last step: the last routing program to finish lays out the expert segments.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def plan_segments(
+    block_counts_ptr,  # int32 [num_blocks, E] in: routes per block; out: routes in earlier blocks
+    block_drops_ptr,  # int32 [num_blocks] in: routes of each block that have no slot
+    segment_offsets_ptr,  # int32 [E + 1] out
+    segment_counts_ptr,  # int32 [E] out, then the route tallies [2]: routes dropped, routes without a slot
+    tokens_per_expert_ptr,  # int64 [E] out
+    num_blocks,
+    num_rows,  # row cap: segments are clipped to it
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,
+    PAD: tl.constexpr,  # each segment's length is rounded up to a multiple of PAD; 0: no padding
+):
+    expert = tl.arange(0, E_POW2)
+    expert_ok = expert < E
+    total = tl.zeros([E_POW2], dtype=tl.int32)
+    unslotted = tl.zeros([CHUNK_BLOCKS], dtype=tl.int32)
+    for b0 in range(0, num_blocks, CHUNK_BLOCKS):
+        block = b0 + tl.arange(0, CHUNK_BLOCKS)
+        ptrs = block_counts_ptr + block[:, None] * E + expert[None, :]
+        ok = (block < num_blocks)[:, None] & expert_ok[None, :]
+        # volatile: other programs wrote these counts; read them from L2, not a stale cache line
+        counts = tl.load(ptrs, mask=ok, other=0, volatile=True)
+        tl.store(ptrs, total[None, :] + tl.cumsum(counts, axis=0) - counts, mask=ok)
+        total += tl.sum(counts, axis=0)
+        unslotted += tl.load(block_drops_ptr + block, mask=block < num_blocks, other=0, volatile=True)
+    if PAD:
+        length = (total + PAD - 1) // PAD * PAD
+    else:
+        length = total
+    start = tl.cumsum(length, axis=0) - length
+    seg_start = tl.minimum(start, num_rows)
+    seg_end = tl.minimum(start + length, num_rows)
+    tl.store(segment_offsets_ptr + expert, seg_start, mask=expert_ok)
+    tl.store(segment_offsets_ptr + E, tl.minimum(tl.sum(length, axis=0), num_rows))
+    kept = tl.minimum(start + total, num_rows) - seg_start
+    tl.store(segment_counts_ptr + expert, kept, mask=expert_ok)
+    tl.store(tokens_per_expert_ptr + expert, (seg_end - seg_start).to(tl.int64), mask=expert_ok)
+    # Dropped: the routes past the row cap, and those without a slot.
+    no_slot = tl.sum(unslotted, axis=0)
+    tl.store(segment_counts_ptr + E, tl.sum(total - kept, axis=0) + no_slot)
+    tl.store(segment_counts_ptr + E + 1, no_slot)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows that no route writes (pad rows, rows past the last segment) must read as exact zeros.
+# The first programs of the permute and unpermute-backward grids write them.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def zero_rows_of_program(
+    program,
+    segment_offsets_ptr,
+    segment_counts_ptr,
+    num_rows,
+    E: tl.constexpr,
+    PAD_GROUPS: tl.constexpr,  # programs per expert's pad rows; 0: no padding
+    PAD_ROWS_PER_PROGRAM: tl.constexpr,
+    tail_programs,
+):
+    """(begin, end, step) of the rows this zeroing program owns."""
+    if PAD_GROUPS:
+        if program < E * PAD_GROUPS:
+            # Pad rows of one expert: [start + routed rows, next segment start), split in groups.
+            expert = program // PAD_GROUPS
+            pad_begin = tl.load(segment_offsets_ptr + expert) + tl.load(segment_counts_ptr + expert)
+            pad_end = tl.load(segment_offsets_ptr + expert + 1)
+            begin = pad_begin + (program % PAD_GROUPS) * PAD_ROWS_PER_PROGRAM
+            return begin, tl.minimum(tl.minimum(begin + PAD_ROWS_PER_PROGRAM, pad_end), num_rows), 1
+        program -= E * PAD_GROUPS
+    # Rows past the last segment, strided over the tail programs.
+    return tl.load(segment_offsets_ptr + E) + program, num_rows, tail_programs
+
+
+@triton.jit
+def zero_row(ptr, row, width, BLOCK: tl.constexpr):
+    base = ptr + tl.cast(row, tl.int64) * width
+    for c0 in range(0, width, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        tl.store(base + col, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=col < width)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk sort (TransformerEngine's moe_sort_chunks_by_index): the rows are cut into chunks of
+# split_sizes and concatenated in the order sorted_idxs gives. One program finds every chunk's
+# start in the input and in the output (the chunk table); then each program copies a tile of
+# output rows, finding each row's chunk by binary search. The backward pass is the same copy with
+# the table's inverse half: the gradient goes back the way the rows came.
+# The row gather beside it (out[r] = src[rows[r]]) moves expert parallelism's rows.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def chunk_table_kernel(
+    split_sizes_ptr,  # [C] rows of each input chunk (negative counts as empty)
+    sorted_idxs_ptr,  # [C] the input chunk of each output chunk
+    table_ptr,  # int32 [4, C + 1], written (see permgen.ops.chunk_table)
+    num_chunks,
+    BLOCK_C: tl.constexpr,
+):
+    """One program. Rows 0, 1: output chunk j's start in the output and in the input; rows 2, 3:
+    input chunk i's start in the input and in the output. Entry C of rows 0 and 2 is the chunks'
+    total, so rows 0 and 2 ascend to an end a binary search can stop at."""
+    stride = num_chunks + 1
+    chunk = tl.arange(0, BLOCK_C)
+    total = 0
+    for c0 in range(0, num_chunks, BLOCK_C):  # input order: each chunk's start in the input
+        inside = c0 + chunk < num_chunks
+        size = tl.maximum(tl.load(split_sizes_ptr + c0 + chunk, mask=inside, other=0).to(tl.int32), 0)
+        tl.store(table_ptr + 2 * stride + c0 + chunk, total + tl.cumsum(size, 0) - size, mask=inside)
+        total += tl.sum(size, 0)
+    tl.store(table_ptr + num_chunks, total)
+    tl.store(table_ptr + 2 * stride + num_chunks, total)
+    tl.store(table_ptr + stride + num_chunks, 0)
+    tl.store(table_ptr + 3 * stride + num_chunks, 0)
+    tl.debug_barrier()  # the input starts above are read back below, by other threads
+    total = 0
+    for c0 in range(0, num_chunks, BLOCK_C):  # output order
+        inside = c0 + chunk < num_chunks
+        # An index out of range (not checked on the device) reads a chunk in range instead.
+        source = tl.load(sorted_idxs_ptr + c0 + chunk, mask=inside, other=0).to(tl.int32)
+        source = tl.minimum(tl.maximum(source, 0), num_chunks - 1)
+        size = tl.maximum(tl.load(split_sizes_ptr + source, mask=inside, other=0).to(tl.int32), 0)
+        start = total + tl.cumsum(size, 0) - size
+        tl.store(table_ptr + c0 + chunk, start, mask=inside)
+        tl.store(table_ptr + stride + c0 + chunk, tl.load(table_ptr + 2 * stride + source, mask=inside), mask=inside)
+        tl.store(table_ptr + 3 * stride + source, start, mask=inside)
+        total += tl.sum(size, 0)
+
+
+@triton.jit
+def _sort_chunk_rows(tokens_ptr, starts_ptr, sources_ptr, out_ptr, num_rows, hidden, num_chunks,
+                     SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[r] = tokens[sources[j] + r - starts[j]] for the chunk j holding output row r, for this
+    program's rows. Rows past the chunks' total (sizes that do not sum to N) are zeros. Returns the
+    rows, their source rows, which rows moved data and which are rows of out."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    # The last chunk starting at or before each row: starts[low] <= row holds throughout.
+    low = tl.zeros((BLOCK_ROWS,), tl.int32)
+    high = tl.full((BLOCK_ROWS,), num_chunks + 1, tl.int32)
+    for _ in tl.static_range(SEARCH_STEPS):
+        middle = (low + high) // 2
+        before = tl.load(starts_ptr + middle) <= rows
+        low = tl.where(before, middle, low)
+        high = tl.where(before, high, middle)
+    source = tl.load(sources_ptr + low) + rows - tl.load(starts_ptr + low)
+    stored = rows < num_rows
+    # Sizes summing past N would point outside the input: such rows read nothing either.
+    moved = stored & (low < num_chunks) & (source < num_rows)
+    src = tokens_ptr + source.to(tl.int64)[:, None] * hidden  # rows x H can pass 2^31
+    dst = out_ptr + rows.to(tl.int64)[:, None] * hidden
+    cols = tl.arange(0, BLOCK_H)[None, :]
+    for h0 in range(0, hidden, BLOCK_H):
+        inside = h0 + cols < hidden
+        tile = tl.load(src + h0 + cols, mask=moved[:, None] & inside, other=0)
+        tl.store(dst + h0 + cols, tile, mask=stored[:, None] & inside)
+    return rows, source, moved, stored
+
+
+@triton.jit
+def sort_chunks_kernel(
+    tokens_ptr,  # [N, H]
+    starts_ptr,  # int32 [C + 1]: each chunk's first row in the output, ascending; entry C: the total
+    sources_ptr,  # int32 [C + 1]: each chunk's first row in the input
+    out_ptr,  # [N, H]
+    num_rows,
+    hidden,
+    num_chunks,
+    SEARCH_STEPS: tl.constexpr,  # bit length of C: enough halvings to find a chunk among C + 1 entries
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    _sort_chunk_rows(tokens_ptr, starts_ptr, sources_ptr, out_ptr, num_rows, hidden, num_chunks,
+                     SEARCH_STEPS, BLOCK_ROWS, BLOCK_H)
+
+
+@triton.jit
+def sort_chunks_probs_kernel(
+    tokens_ptr,  # [N, H]
+    probs_ptr,  # [N]
+    starts_ptr,  # int32 [C + 1], as above
+    sources_ptr,  # int32 [C + 1]
+    out_ptr,  # [N, H]
+    out_probs_ptr,  # [N]
+    num_rows,
+    hidden,
+    num_chunks,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The chunk sort of the rows and, beside them, of probs."""
+    rows, source, moved, stored = _sort_chunk_rows(tokens_ptr, starts_ptr, sources_ptr, out_ptr, num_rows, hidden,
+                                                   num_chunks, SEARCH_STEPS, BLOCK_ROWS, BLOCK_H)
+    tl.store(out_probs_ptr + rows, tl.load(probs_ptr + source, mask=moved, other=0), mask=stored)
+
+
+@triton.jit
+def gather_rows_kernel(
+    src_ptr,  # [S, H]
+    rows_ptr,  # int32 [M]: the row of src each output row copies
+    out_ptr,  # [M, H]
+    hidden,
+    BLOCK_H: tl.constexpr,
+):
+    """out[r] = src[rows[r]], one program per row."""
+    row = tl.program_id(0)
+    src = src_ptr + tl.load(rows_ptr + row).to(tl.int64) * hidden
+    dst = out_ptr + row.to(tl.int64) * hidden
+    cols = tl.arange(0, BLOCK_H)
+    for h0 in range(0, hidden, BLOCK_H):
+        inside = h0 + cols < hidden
+        tl.store(dst + h0 + cols, tl.load(src + h0 + cols, mask=inside), mask=inside)
