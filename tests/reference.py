@@ -72,6 +72,18 @@ def plan_routes(routing, routing_kind: str, num_experts: int, pad: int = 0, num_
     return Routes(token[kept], col[kept], expert[kept], dst[kept], num_rows, tokens_per_expert, start)
 
 
+def sort_chunks_ref(rows, split_sizes, sorted_idxs):
+    """TE's sort_chunks_by_index: `rows` cut into chunks of split_sizes rows, concatenated in sorted_idxs' order."""
+    chunks = torch.split(rows, [int(s) for s in split_sizes], dim=0)
+    return torch.cat([chunks[int(i)] for i in sorted_idxs], dim=0)
+
+
+def sort_chunks_grad_ref(grad, split_sizes, sorted_idxs):
+    """Backward of a chunk sort: each output row's gradient goes back to its source row."""
+    source = sort_chunks_ref(torch.arange(grad.shape[0]), split_sizes, sorted_idxs)
+    return torch.zeros_like(grad).index_copy(0, source.to(grad.device), grad)
+
+
 FP8_E4M3_MAX = 448.0
 
 

@@ -16,7 +16,7 @@ import torch
 import permgen
 from cases import (DEVICE, HAS_CUDA, assert_bits_equal, assert_close, check_grads, expert_ids, generator_for, leaf,
                    routing_from_ids)
-from reference import permute_ref, unpermute_ref
+from reference import permute_ref, sort_chunks_ref, unpermute_ref
 
 BACKEND = "inductor" if HAS_CUDA else "aot_eager"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -262,11 +262,6 @@ def test_empty_input(mode, request):
     assert merged.shape == (0, H)
 
 
-def chunk_sort_ref(inp, split_sizes, sorted_idxs):
-    chunks = torch.split(inp, split_sizes.tolist(), dim=0)
-    return torch.cat([chunks[i] for i in sorted_idxs.tolist()], dim=0)
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("with_probs", [False, True], ids=["tokens", "with_probs"])
 def test_sort_chunks_by_index(with_probs, mode, request):
@@ -279,13 +274,13 @@ def test_sort_chunks_by_index(with_probs, mode, request):
     if with_probs:
         out, out_probs = compiled_if(mode, permgen.moe_sort_chunks_by_index_with_probs)(inp, p, split_sizes,
                                                                                         sorted_idxs)
-        assert_bits_equal(out_probs, chunk_sort_ref(probs, split_sizes, sorted_idxs), "probs")
+        assert_bits_equal(out_probs, sort_chunks_ref(probs, split_sizes, sorted_idxs), "probs")
         (out.float().sum() + out_probs.sum()).backward()
         assert torch.equal(p.grad, torch.ones_like(probs))
     else:
         out = compiled_if(mode, permgen.moe_sort_chunks_by_index)(inp, split_sizes, sorted_idxs)
         out.float().sum().backward()
-    assert_bits_equal(out, chunk_sort_ref(tokens, split_sizes, sorted_idxs), "output")
+    assert_bits_equal(out, sort_chunks_ref(tokens, split_sizes, sorted_idxs), "output")
     assert torch.equal(inp.grad, torch.ones_like(tokens))
 
 
