@@ -133,7 +133,7 @@ def regroup_table(mod, counts, sources):
     sizes[-1] += counts - part.sum(0)  # [source, expert]
     order = (torch.arange(sources, device=counts.device)[None, :] * E
              + torch.arange(E, device=counts.device)[:, None]).flatten()
-    return mod._ops.backend.chunk_table(sizes.flatten(), order)
+    return mod._ops.chunk_sort.kernels.chunk_table(sizes.flatten(), order)
 
 
 def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
@@ -208,7 +208,7 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
         "permute_backward": lambda: torch.autograd.grad([sp.tokens, sp.probs], [t_in, p_in],
                                                         [grad_single, single.probs], retain_graph=True),
         "unpermute_backward": lambda: torch.autograd.grad(su, [u_in, m_in], grad_tokens_out, retain_graph=True),
-        "regroup_8_sources": lambda: mod._ops.backend.sort_chunks(sort_table, False, res.tokens, res.probs),
+        "regroup_8_sources": lambda: mod._ops.chunk_sort.kernels.sort_chunks(sort_table, False, res.tokens, res.probs),
         "copy": lambda: copy_dst.copy_(copy_src),
     }
     times = {op: timed(fn, group, iters, reps) for op, fn in ops.items()}

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import jinja2
 
-from permgen.contract import FP8_DTYPES, SCALE_FORMATS, TOKEN_DTYPE_NAMES
-
-from .spec import Variant
+from permgen.variant import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "templates"
@@ -47,22 +45,23 @@ def make_environment() -> jinja2.Environment:
 
 
 def template_context(variant: Variant) -> dict:
-    """Facts the templates need about one variant: the axes plus what its dtypes mean
-    (from permgen.contract, the tables the runtime checks against)."""
+    """Facts the templates need about one variant: the axes plus what they imply (permgen.variant,
+    the facts the runtime reads too)."""
     ctx = dict(variant.axes())
     ctx.update(
         variant_literal=repr(variant.axes()),  # a Python dict literal, in axis order
-        is_fp8=variant.dtype in FP8_DTYPES,
-        has_scale=variant.scale != "none",
-        token_dtype_name=TOKEN_DTYPE_NAMES[variant.dtype],
+        mask=variant.mask,
+        is_fp8=variant.is_fp8,
+        has_scale=variant.has_scale,
+        quantizes=variant.quantizes,
+        makes_scale=variant.makes_scale,
+        prob_columns=variant.prob_columns,
+        token_dtype_name=variant.token_dtype_name,
     )
-    if variant.scale != "none":
-        cols, dtype_name = SCALE_FORMATS[variant.scale]
-        ctx.update(scale_cols=cols, scale_dtype_name=dtype_name)
-    ctx.update(quantizes=variant.quantize != "none")
-    if variant.quantize != "none":
-        cols, dtype_name = SCALE_FORMATS[variant.quantize]
-        ctx.update(quant_cols=cols, quant_scale_dtype_name=dtype_name)
+    if variant.has_scale:
+        ctx.update(scale_cols=variant.scale_block, scale_dtype_name=variant.scale_dtype_name)
+    if variant.quantizes:
+        ctx.update(quant_cols=variant.scale_block, quant_scale_dtype_name=variant.scale_dtype_name)
     return ctx
 
 

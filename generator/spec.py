@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from permgen.contract import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES, ROUTINGS, SCALES,
-                              TARGETS)
+from permgen.contract import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
+                              ROUTINGS, SCALES, TARGETS)
 from permgen.contract import AXIS_DEFAULTS as BUILTIN_DEFAULTS
-from permgen.contract import variant_name as _name_of
+from permgen.variant import Variant, axis_error
 
 ALLOWED_KEYS = frozenset(AXES) | {"name"}
 
@@ -25,40 +24,14 @@ class SpecError(ValueError):
     """A malformed spec; the message names file, variant and key."""
 
 
-@dataclass(frozen=True)
-class Variant:
-    dtype: str
-    routing: str
-    probs: bool
-    scale: str
-    pad: int
-    targets: tuple[str, ...]
-    quantize: str = "none"
-
-    @property
-    def name(self) -> str:
-        return variant_name(self)
-
-    def axes(self) -> dict:
-        """The normalised spec entry, as plain data (what generated modules export as VARIANT)."""
-        data = asdict(self)
-        data["targets"] = list(self.targets)
-        return {"name": self.name, **data}
-
-
 def variant_name(v: Variant) -> str:
     """One fixed rule (permgen.contract.variant_name), e.g. probs_pad128_fp8e4m3_block128_mask."""
-    return _name_of(asdict(v))
+    return v.name
 
 
 def _fail(path, where: str, key: str | None, message: str):
     at = f"{path}: {where}" + (f", key '{key}'" if key else "")
     raise SpecError(f"{at}: {message}")
-
-
-def _check_choice(path, where, key, value, choices):
-    if not isinstance(value, str) or value not in choices:
-        _fail(path, where, key, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def _validate_entry(path, where: str, entry: dict) -> Variant:
@@ -68,42 +41,19 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
     for key in ("dtype", "routing"):
         if key not in entry:
             _fail(path, where, key, "missing (set it in the variant or in [defaults])")
-    _check_choice(path, where, "dtype", entry["dtype"], DTYPES)
-    _check_choice(path, where, "routing", entry["routing"], ROUTINGS)
-    _check_choice(path, where, "scale", entry["scale"], SCALES)
-    _check_choice(path, where, "quantize", entry["quantize"], QUANTIZES)
-    if not isinstance(entry["probs"], bool):
-        _fail(path, where, "probs", f"expected true or false, got {entry['probs']!r}")
-    pad = entry["pad"]
-    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0 or pad > MAX_PAD or (pad and pad & (pad - 1)):
-        _fail(path, where, "pad", f"expected 0 or a power of two <= {MAX_PAD}, got {pad!r}")
-    if pad == 1:
-        _fail(path, where, "pad", "pad = 1 pads nothing; write 0")
+    problem = axis_error(entry)  # the axis rules, shared with the registry's lookup (permgen.variant)
+    if problem:
+        _fail(path, where, *problem)
     targets = entry["targets"]
     if not isinstance(targets, list) or not targets:
         _fail(path, where, "targets", f"expected a non-empty list drawn from {list(TARGETS)}, got {targets!r}")
     for target in targets:
-        _check_choice(path, where, "targets", target, TARGETS)
+        if not isinstance(target, str) or target not in TARGETS:
+            _fail(path, where, "targets", f"expected one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     if len(set(targets)) != len(targets):
         _fail(path, where, "targets", f"lists a target twice: {targets!r}")
-    if entry["quantize"] != "none":
-        if entry["dtype"] not in QUANTIZABLE_DTYPES:
-            _fail(path, where, "quantize", f"quantize {entry['quantize']!r} needs a dtype to quantise from "
-                  f"({', '.join(QUANTIZABLE_DTYPES)}), got dtype {entry['dtype']!r}")
-        if entry["scale"] != "none":
-            _fail(path, where, "quantize", f"quantize {entry['quantize']!r} computes the scales; it cannot also move "
-                  f"scale {entry['scale']!r} (write scale = \"none\")")
-    if entry["scale"] != "none" and entry["dtype"] not in FP8_DTYPES:
-        _fail(path, where, "scale", f"scale {entry['scale']!r} needs an fp8 dtype ({', '.join(FP8_DTYPES)}), got dtype {entry['dtype']!r}")
-    variant = Variant(
-        dtype=entry["dtype"],
-        routing=entry["routing"],
-        probs=entry["probs"],
-        scale=entry["scale"],
-        quantize=entry["quantize"],
-        pad=pad,
-        targets=tuple(t for t in TARGETS if t in targets),
-    )
+    variant = Variant(dtype=entry["dtype"], routing=entry["routing"], probs=entry["probs"], scale=entry["scale"],
+                      quantize=entry["quantize"], pad=entry["pad"], targets=tuple(t for t in TARGETS if t in targets))
     if "name" in entry:
         given = entry["name"]
         if not isinstance(given, str) or not _SAFE_NAME.match(given):

@@ -52,26 +52,29 @@ def variant_name(axes: dict) -> str:
     return "_".join(parts)
 
 
-def combine_dtype_name(variant: dict) -> str:
+def _variant(variant):
+    """The Variant of a Variant or of a normalised spec entry (a generated module's VARIANT)."""
+    from .variant import Variant
+    return Variant.of(variant)
+
+
+def combine_dtype_name(variant) -> str:
     """unpermute's input and output dtype: the experts' outputs (bf16 for fp8 variants)."""
-    return "bfloat16" if variant["dtype"] in FP8_DTYPES else TOKEN_DTYPE_NAMES[variant["dtype"]]
+    return _variant(variant).combine_dtype_name
 
 
-def scale_kind(variant: dict) -> str:
+def scale_kind(variant) -> str:
     """The scales permute returns: those it moves (`scale`) or those it computes (`quantize`), or "none"."""
-    quantize = variant.get("quantize", "none")
-    return variant["scale"] if quantize == "none" else quantize
+    return _variant(variant).scale_kind
 
 
-def out_dtype_name(variant: dict) -> str:
+def out_dtype_name(variant) -> str:
     """The dtype of permute's rows: the token dtype, or float8_e4m3fn for quantising variants."""
-    quantize = variant.get("quantize", "none")
-    return TOKEN_DTYPE_NAMES[variant["dtype"] if quantize == "none" else QUANTIZED_DTYPE]
+    return _variant(variant).out_dtype_name
 
 
-def scale_columns(variant: dict, hidden: int) -> int:
-    cols, _ = SCALE_FORMATS[scale_kind(variant)]
-    return -(-hidden // cols)
+def scale_columns(variant, hidden: int) -> int:
+    return _variant(variant).scale_columns(hidden)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,27 +84,6 @@ def scale_columns(variant: dict, hidden: int) -> int:
 def _torch():
     import torch
     return torch
-
-
-# torch dtype attribute name (or the tuple of prob dtype names) -> the dtype(s), filled once by
-# load_dtypes when a variant's ops are built: torch.compile then never traces a change to it (which
-# would recompile the first graph once it ran).
-_DTYPES = {}
-
-
-def load_dtypes():
-    """Look up every torch dtype the contract names, once."""
-    if not _DTYPES:
-        torch = _torch()
-        names = [*TOKEN_DTYPE_NAMES.values(), *PROB_DTYPE_NAMES, *(dtype for _, dtype in SCALE_FORMATS.values())]
-        _DTYPES.update({name: getattr(torch, name) for name in names})
-        _DTYPES[PROB_DTYPE_NAMES] = tuple(_DTYPES[name] for name in PROB_DTYPE_NAMES)
-
-
-def _dtype(name: str):
-    """The torch dtype of an attribute name (the checks run on every call: a dict lookup)."""
-    load_dtypes()
-    return _DTYPES[name]
 
 
 class PermutePlan(NamedTuple):
@@ -119,8 +101,9 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_tensor(variant: dict, name: str, t, shape, dtypes, device):
-    """Raise a TypeError / ValueError that says what tensor `name` should have been.
+def check_tensor(variant, name: str, t, shape, dtypes, device):
+    """Raise a TypeError / ValueError that says what tensor `name` of `variant` (a Variant, a spec
+    entry, or the name errors start with) should have been.
 
     shape: a tuple of sizes (None = any); dtypes: torch dtypes; device: the tokens' device, or None."""
     torch = _torch()
@@ -134,7 +117,7 @@ def check_tensor(variant: dict, name: str, t, shape, dtypes, device):
                     break
             else:
                 return
-    where = variant["name"]
+    where = variant if isinstance(variant, str) else _variant(variant).name
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -147,40 +130,38 @@ def check_tensor(variant: dict, name: str, t, shape, dtypes, device):
     raise ValueError(f"{where}: {name} must be contiguous; call .contiguous() first")
 
 
-def token_dtype(variant: dict):
-    return _dtype(TOKEN_DTYPE_NAMES[variant["dtype"]])
+def token_dtype(variant):
+    return _variant(variant).bind_torch().token_dtype
 
 
-def combine_dtype(variant: dict):
-    return _dtype(combine_dtype_name(variant))
+def combine_dtype(variant):
+    return _variant(variant).bind_torch().combine_dtype
 
 
 def prob_dtypes():
-    return _dtype(PROB_DTYPE_NAMES)
+    torch = _torch()
+    return tuple(getattr(torch, name) for name in PROB_DTYPE_NAMES)
 
 
-def scale_dtype(variant: dict):
-    return _dtype(SCALE_FORMATS[scale_kind(variant)][1])
+def scale_dtype(variant):
+    return _variant(variant).bind_torch().scale_dtype
 
 
-def out_dtype(variant: dict):
-    return _dtype(out_dtype_name(variant))
+def out_dtype(variant):
+    return _variant(variant).bind_torch().out_dtype
 
 
-def prob_columns_name(variant: dict) -> str:
-    return "E" if variant["routing"] == "mask" else "k"
-
-
-def check_permute(variant: dict, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
+def check_permute(variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
                   check_routing, num_experts_from_ids=False) -> PermutePlan:
     """Check permute's arguments against the variant; return its sizes. num_experts_from_ids: index
     routing without num_experts is allowed, and the plan's num_experts is None (read from the ids)."""
     torch = _torch()
-    where = variant["name"]
-    check_tensor(variant, "tokens", tokens, (None, None), (token_dtype(variant),), None)
+    variant = _variant(variant).bind_torch()
+    where = variant.name
+    check_tensor(variant, "tokens", tokens, (None, None), (variant.token_dtype,), None)
     num_tokens, hidden = tokens.shape
     device = tokens.device
-    if variant["routing"] == "mask":
+    if variant.mask:
         if not isinstance(routing, torch.Tensor) or routing.is_floating_point() or routing.is_complex():
             got = getattr(routing, "dtype", type(routing).__name__)
             raise TypeError(f"{where}: routing must be a bool or integer [N, E] mask tensor, got {got}")
@@ -192,32 +173,32 @@ def check_permute(variant: dict, tokens, routing, probs, scale, num_experts, num
         check_tensor(variant, "routing", routing, (num_tokens, None), (torch.int32, torch.int64), device)
         if num_experts is None and not num_experts_from_ids:
             raise ValueError(f"{where}: index routing needs num_experts")
-    if (num_experts is not None or variant["routing"] == "mask") and (not _is_int(num_experts) or num_experts < 1):
+    if (num_experts is not None or variant.mask) and (not _is_int(num_experts) or num_experts < 1):
         raise ValueError(f"{where}: num_experts must be a positive int, got {num_experts!r}")
     if num_out_tokens is not None and (not _is_int(num_out_tokens) or not 0 <= num_out_tokens < MAX_ROWS):
         raise ValueError(f"{where}: num_out_tokens must be an int in [0, 2**31 - 1), got {num_out_tokens!r}")
     if topk is not None and (not _is_int(topk) or topk < 1):
         raise ValueError(f"{where}: topk must be a positive int, got {topk!r}")
-    if variant["probs"]:
+    if variant.probs:
         if probs is None:
-            raise ValueError(f"{where}: this variant permutes probs; pass probs [N, {prob_columns_name(variant)}]")
-        check_tensor(variant, "probs", probs, (num_tokens, routing.shape[1]), prob_dtypes(), device)
+            raise ValueError(f"{where}: this variant permutes probs; pass probs [N, {variant.prob_columns}]")
+        check_tensor(variant, "probs", probs, (num_tokens, routing.shape[1]), variant.prob_dtypes, device)
     elif probs is not None:
         raise ValueError(f"{where}: this variant has no probs; use a variant with probs = true")
-    if variant["scale"] != "none":
-        cols, _ = SCALE_FORMATS[variant["scale"]]
+    if variant.has_scale:
         if scale is None:
-            raise ValueError(f"{where}: this variant moves {variant['scale']} scales; pass scale [N, ceil(H / {cols})]")
-        check_tensor(variant, "scale", scale, (num_tokens, scale_columns(variant, hidden)), (scale_dtype(variant),),
+            raise ValueError(f"{where}: this variant moves {variant.scale} scales; pass scale "
+                             f"[N, ceil(H / {variant.scale_block})]")
+        check_tensor(variant, "scale", scale, (num_tokens, variant.scale_columns(hidden)), (variant.scale_dtype,),
                      device)
     elif scale is not None:
-        if variant.get("quantize", "none") != "none":
-            raise ValueError(f"{where}: this variant computes its {variant['quantize']} scales; pass no scale")
+        if variant.quantizes:
+            raise ValueError(f"{where}: this variant computes its {variant.quantize} scales; pass no scale")
         raise ValueError(f"{where}: this variant moves no scales; use a variant with an fp8 scale")
     if check_routing is not None and not isinstance(check_routing, bool):
         raise TypeError(f"{where}: check_routing must be True, False or None, got {check_routing!r}")
 
-    if variant["routing"] == "mask":
+    if variant.mask:
         # The row map keeps topk slots per token when the caller knows the most routes of any
         # token, else one per expert; kernels visit each token's live routes either way.
         width = topk if topk is not None else num_experts
@@ -235,11 +216,11 @@ def check_permute(variant: dict, tokens, routing, probs, scale, num_experts, num
     return PermutePlan(num_tokens, hidden, num_experts, width, num_out_tokens, check)
 
 
-def routing_error(variant: dict, routing, num_experts: int, width: int) -> Optional[str]:
+def routing_error(variant, routing, num_experts: int, width: int) -> Optional[str]:
     """What is wrong with the routing values, or None (reads them: one host sync)."""
     if routing.numel() == 0:
         return None
-    if variant["routing"] == "mask":
+    if _variant(variant).mask:
         torch = _torch()
         if routing.dtype == torch.bool:
             routes = int(routing.sum(1).max())
@@ -260,26 +241,27 @@ def routing_error(variant: dict, routing, num_experts: int, width: int) -> Optio
     return None
 
 
-def check_unpermute(variant: dict, permuted, row_id_map, merging_probs, restore_shape, row_map_type):
+def check_unpermute(variant, permuted, row_id_map, merging_probs, restore_shape, row_map_type):
     """Check unpermute's arguments against the variant and the row map permute returned."""
-    where = variant["name"]
+    variant = _variant(variant).bind_torch()
+    where = variant.name
     if not isinstance(row_id_map, row_map_type):
         raise TypeError(f"{where}: row_id_map must be the RowIdMap from this module's permute, "
                         f"got {type(row_id_map).__name__}")
-    if row_id_map.variant != variant["name"]:
+    if row_id_map.variant != where:
         raise ValueError(f"{where}: row_id_map comes from variant {row_id_map.variant}'s permute")
     num_tokens = row_id_map.num_tokens
     device = row_id_map.row_map.device
-    check_tensor(variant, "permuted", permuted, (row_id_map.num_rows, None), (combine_dtype(variant),), device)
+    check_tensor(variant, "permuted", permuted, (row_id_map.num_rows, None), (variant.combine_dtype,), device)
     if restore_shape is not None:
         if not isinstance(restore_shape, (tuple, list)):  # torch.Size is a tuple
             raise TypeError(f"{where}: restore_shape must be a sequence (N, H), got {restore_shape!r}")
         if tuple(restore_shape) != (num_tokens, permuted.shape[1]):
             raise ValueError(f"{where}: restore_shape {tuple(restore_shape)} does not match the row map's "
                              f"{num_tokens} tokens and hidden size {permuted.shape[1]}")
-    if variant["probs"]:
+    if variant.probs:
         if merging_probs is not None:
             check_tensor(variant, "merging_probs", merging_probs, (num_tokens, row_id_map.routing.shape[1]),
-                         prob_dtypes(), device)
+                         variant.prob_dtypes, device)
     elif merging_probs is not None:
         raise ValueError(f"{where}: this variant has no probs; use a variant with probs = true")

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from . import neuron_ops
-from .contract import FP8_DTYPES, combine_dtype, out_dtype, scale_columns, scale_dtype, scale_kind
-from .ops import chunk_table
-from .results import RowIdMap, row_map_words, write_route_tallies
+from .ops import ChunkSort, Grads, PermuteOutputs, chunk_table
+from .results import RowMapLayout, write_route_tallies
+from .variant import Variant
 
 # The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
 # columns), and row numbers are computed exactly in fp32.
@@ -106,46 +106,51 @@ def from_kernel(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
+def _check_device(where, tokens):
+    if tokens.device.type == "cpu" or (neuron_ops.is_neuron(tokens) and neuron_ops.torch_neuronx() is not None):
+        return
+    raise ValueError(f"{where}tokens are on {tokens.device}; the nki target runs kernels through "
+                     "nki.simulate on CPU tensors, or on Neuron tensors where torch-neuronx imports")
+
+
+def _run(simulate, kernel, *args, **static):
+    """kernel[lnc](*args, **static) at the environment's LNC (logical_cores()): tensors in, tensors out;
+    static sizes are ints. Neuron tensors go to the kernel as they are (torch-neuronx runs it); CPU
+    tensors through `simulate` (nki.simulate) as NumPy arrays."""
+    kernel = kernel[logical_cores()]
+    if neuron_ops.is_neuron(args[0]):
+        return kernel(*(a.contiguous() for a in args), **static)
+    outs = simulate(kernel)(*(to_kernel(a) for a in args), **static)
+    if isinstance(outs, (tuple, list)):
+        return tuple(from_kernel(o) for o in outs)
+    return from_kernel(outs)
+
+
 class NkiBackend:
-    """Converts and launches one variant's kernels (see permgen.ops for the interface)."""
+    """Converts and launches one variant's kernels (permgen.ops.Backend)."""
 
     target = "nki"
 
-    def __init__(self, variant: dict, kernels: NkiKernels):
-        self.variant = variant
+    def __init__(self, variant, kernels: NkiKernels):
+        self.variant = Variant.of(variant).bind_torch()
         self.kernels = kernels
-        self.name = variant["name"]
-        self.mask = variant["routing"] == "mask"
-        self.fp8 = variant["dtype"] in FP8_DTYPES
-        self.has_scale = scale_kind(variant) != "none"  # permute returns scales (moved, or computed)
-        self.combine_dtype = combine_dtype(variant)
+        self.name = self.variant.name
 
     def check_device(self, tokens):
-        if tokens.device.type == "cpu" or (neuron_ops.is_neuron(tokens) and neuron_ops.torch_neuronx() is not None):
-            return
-        raise ValueError(f"{self.name}: tokens are on {tokens.device}; the nki target runs kernels through "
-                         "nki.simulate on CPU tensors, or on Neuron tensors where torch-neuronx imports")
+        _check_device(f"{self.name}: ", tokens)
 
     @staticmethod
     def define_op(qualname, impl, schema):
         return neuron_ops.define_op(qualname, impl, schema)
 
-    def row_id_map(self, row_map, routing, plan, num_rows):
-        return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
+    @staticmethod
+    def chunk_sort(kernels):
+        return chunk_sort(kernels)
 
     # -- launches -------------------------------------------------------------------------------
 
     def _run(self, kernel, *args, **static):
-        """kernel[lnc](*args, **static) at the environment's LNC (logical_cores()): tensors in, tensors out;
-        static sizes are ints. Neuron tensors go to the kernel as they are (torch-neuronx runs it); CPU
-        tensors through nki.simulate as NumPy arrays."""
-        kernel = kernel[logical_cores()]
-        if neuron_ops.is_neuron(args[0]):
-            return kernel(*(a.contiguous() for a in args), **static)
-        outs = self.kernels.simulate(kernel)(*(to_kernel(a) for a in args), **static)
-        if isinstance(outs, (tuple, list)):
-            return tuple(from_kernel(o) for o in outs)
-        return from_kernel(outs)
+        return _run(self.kernels.simulate, kernel, *args, **static)
 
     def _read_back(self, counts: torch.Tensor) -> int:
         """The one device -> host read of the NKI target: the row count, when num_out_tokens is not given."""
@@ -155,7 +160,7 @@ class NkiBackend:
         """The kernel's row capacity for a read-back row count: the next power of two, capped at the most
         rows the routing can need (every slot routed, every segment padded), so the compiles a new row
         count can cause are few (a capacity is a static size: one compile each on Neuron)."""
-        pad = self.variant["pad"]
+        pad = self.variant.pad
         most = num_tokens * width + (num_experts * (pad - 1) if pad else 0)
         return max(num_rows, min(most, MAX_ROWS - 1, 1 << max(num_rows - 1, 0).bit_length()))
 
@@ -165,7 +170,7 @@ class NkiBackend:
 
     # -- ops --------------------------------------------------------------------------------------
 
-    def permute(self, plan, tokens, routing, probs, scale):
+    def permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs:
         """One launch (two without num_out_tokens: the expert counts first, then one read back)."""
         num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
         if num_experts > MAX_EXPERTS:
@@ -173,8 +178,9 @@ class NkiBackend:
         if num_tokens * width >= MAX_ROWS:
             raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} routes, got N * W = "
                              f"{num_tokens * width}")
+        v = self.variant
         routing_given = routing  # for the route tallies, which count the ids outside [-1, E)
-        if self.mask:
+        if v.mask:
             routing = (routing != 0).to(torch.int32)
         else:  # ids outside [0, E) route nowhere; clamping keeps them outside while fitting int32
             routing = routing.clamp(-1, num_experts).to(torch.int32)
@@ -189,15 +195,14 @@ class NkiBackend:
             raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} permuted rows, got {num_rows}")
         device = tokens.device
         if num_tokens == 0:  # no routes: empty segments, zero rows
-            out = torch.zeros((num_rows, hidden), dtype=out_dtype(self.variant), device=device)
+            out = torch.zeros((num_rows, hidden), dtype=v.out_dtype, device=device)
             out_probs = None if probs is None else torch.zeros(num_rows, dtype=probs.dtype, device=device)
             out_scale = None  # the scales moved with the rows (fp8 variants), or computed (quantising variants)
-            if self.has_scale:
-                out_scale = torch.zeros((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant),
-                                        device=device)
-            row_map = torch.zeros(row_map_words(self.mask, 0, width, num_experts), dtype=torch.int32, device=device)
+            if v.makes_scale:
+                out_scale = torch.zeros((num_rows, v.scale_columns(hidden)), dtype=v.scale_dtype, device=device)
+            row_map = torch.zeros(RowMapLayout(v.mask, 0, width, num_experts).words, dtype=torch.int32, device=device)
             tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
-            return out, out_probs, out_scale, tokens_per_expert, row_map, num_rows
+            return PermuteOutputs(out, out_probs, out_scale, tokens_per_expert, row_map, num_rows)
         if hidden == 0:  # kernels take no empty tensors: move a zero column, return none
             tokens = torch.zeros((num_tokens, 1), dtype=tokens.dtype, device=device)
             scale = None if scale is None else torch.zeros((num_tokens, 1), dtype=scale.dtype, device=device)
@@ -206,13 +211,14 @@ class NkiBackend:
                               num_out_tokens=capacity))
         out = outs.pop(0)[:num_rows, :hidden]
         out_probs = None if probs is None else outs.pop(0)[:num_rows]
-        out_scale = outs.pop(0)[:num_rows, :0 if hidden == 0 else None] if self.has_scale else None
+        out_scale = outs.pop(0)[:num_rows, :0 if hidden == 0 else None] if v.makes_scale else None
         row_map, tokens_per_expert = outs
-        spare = row_map_words(self.mask, num_tokens, width, num_experts) - row_map.shape[0]
-        if spare:  # an index map is allocated as whole rows (permgen.results.row_map_words)
+        spare = RowMapLayout(v.mask, num_tokens, width, num_experts).words - row_map.shape[0]
+        if spare:  # a row map is allocated as whole rows (permgen.results.RowMapLayout.words)
             row_map = torch.cat((row_map, row_map.new_zeros(spare)))
-        write_route_tallies(self.variant, routing_given, row_map, num_tokens, width, num_experts)
-        return out, out_probs, out_scale, tokens_per_expert.reshape(-1).to(torch.int64), row_map, num_rows
+        write_route_tallies(v, routing_given, row_map, num_tokens, width, num_experts)
+        return PermuteOutputs(out, out_probs, out_scale, tokens_per_expert.reshape(-1).to(torch.int64), row_map,
+                              num_rows)
 
     def _sum_routes(self, row_id_map, rows_in):
         num_tokens, hidden = row_id_map.num_tokens, rows_in.shape[1]
@@ -229,44 +235,58 @@ class NkiBackend:
         return self._run(self.kernels.unpermute, permuted, row_id_map.row_map, merging_probs,
                          **self._sizes(row_id_map))
 
-    def permute_backward(self, row_id_map, grad_out, grad_out_probs, probs_meta):
+    def permute_backward(self, row_id_map, grad_out, grad_out_probs, probs_meta) -> Grads:
         if grad_out_probs is None:
-            return self._sum_routes(row_id_map, grad_out.contiguous()), None
+            return Grads(self._sum_routes(row_id_map, grad_out.contiguous()), None)
         num_tokens, num_rows = row_id_map.num_tokens, row_id_map.num_rows
         shape, dtype = probs_meta
         hidden = 0 if grad_out is None else grad_out.shape[1]
         if num_tokens == 0 or num_rows == 0:
             grad_tokens = None if grad_out is None else torch.zeros((num_tokens, hidden), dtype=grad_out.dtype,
                                                                     device=grad_out.device)
-            return grad_tokens, torch.zeros(shape, dtype=dtype, device=grad_out_probs.device)
+            return Grads(grad_tokens, torch.zeros(shape, dtype=dtype, device=grad_out_probs.device))
         # One launch for both; without a token gradient (or columns) a zero column stands in.
         rows_in = grad_out if hidden else torch.zeros(
-            (num_rows, 1), dtype=self.combine_dtype if grad_out is None else grad_out.dtype,
+            (num_rows, 1), dtype=self.variant.combine_dtype if grad_out is None else grad_out.dtype,
             device=grad_out_probs.device)
         grad_tokens, grad_probs = self._run(self.kernels.permute_backward, rows_in, row_id_map.row_map,
                                             grad_out_probs, **self._sizes(row_id_map))
-        return (None if grad_out is None else grad_tokens[:, :hidden]), grad_probs.to(dtype)
+        return Grads(None if grad_out is None else grad_tokens[:, :hidden], grad_probs.to(dtype))
 
-    def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs):
+    def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs) -> Grads:
         num_tokens, num_rows, hidden = row_id_map.num_tokens, row_id_map.num_rows, grad_out.shape[1]
         empty = num_tokens == 0 or num_rows == 0 or hidden == 0
         if merging_probs is None:
             if empty:
-                return torch.zeros((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device), None
-            return self._run(self.kernels.scatter_routes, grad_out, row_id_map.row_map, num_rows=num_rows,
-                             **self._sizes(row_id_map)), None
+                return Grads(torch.zeros((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device), None)
+            return Grads(self._run(self.kernels.scatter_routes, grad_out, row_id_map.row_map, num_rows=num_rows,
+                                   **self._sizes(row_id_map)), None)
         if empty:  # no routes, or dot products over no columns
-            return (torch.zeros((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device),
-                    torch.zeros(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device))
-        return self._run(self.kernels.unpermute_backward, grad_out, permuted, row_id_map.row_map, merging_probs,
-                         **self._sizes(row_id_map))
+            return Grads(torch.zeros((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device),
+                         torch.zeros(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device))
+        return Grads(*self._run(self.kernels.unpermute_backward, grad_out, permuted, row_id_map.row_map, merging_probs,
+                                **self._sizes(row_id_map)))
 
-    # -- chunk sort (bound by the module after its chunk sort kernels: Ops.bind_sort_chunks) --------
 
-    def bind_sort_chunks(self, rows_kernel, rows_and_probs_kernel=None):
-        self.sort_chunks_kernels = (rows_kernel, rows_and_probs_kernel)
+class NkiChunkKernels:
+    """The chunk sort, for every dtype (permgen.ops.ChunkKernels): the chunk table with torch ops,
+    the rows moved by a row gather kernel that depends on no variant (permgen.nki_kernels)."""
 
-    def chunk_table(self, split_sizes, sorted_idxs):
+    target = "nki"
+
+    def __init__(self, rows_kernel, rows_and_probs_kernel, simulate):
+        self.rows_kernel, self.rows_and_probs_kernel, self.simulate = rows_kernel, rows_and_probs_kernel, simulate
+
+    @staticmethod
+    def check_device(tokens):
+        _check_device("", tokens)
+
+    @staticmethod
+    def define_op(qualname, impl, schema):
+        return neuron_ops.define_op(qualname, impl, schema)
+
+    @staticmethod
+    def chunk_table(split_sizes, sorted_idxs):
         return chunk_table(split_sizes, sorted_idxs)
 
     def sort_chunks(self, table, inverse, tokens, probs):
@@ -284,7 +304,6 @@ class NkiBackend:
 
     def _gather_rows(self, rows, tokens, probs):
         """out[r] = tokens[rows[r]] (and probs); kernels take no empty tensors, so none runs for N = 0."""
-        rows_kernel, rows_and_probs_kernel = self.sort_chunks_kernels
         num_rows, hidden = tokens.shape
         if num_rows == 0:
             return torch.zeros_like(tokens), None if probs is None else torch.zeros_like(probs)
@@ -292,6 +311,23 @@ class NkiBackend:
         moved = tokens if hidden else torch.zeros((num_rows, 1), dtype=tokens.dtype, device=tokens.device)
         rows = rows.to(torch.int32).reshape(num_rows, 1)
         if probs is None:
-            return self._run(rows_kernel, moved, rows)[:, :hidden], None
-        out, out_probs = self._run(rows_and_probs_kernel, moved, probs.reshape(num_rows, 1), rows)
+            return _run(self.simulate, self.rows_kernel, moved, rows)[:, :hidden], None
+        out, out_probs = _run(self.simulate, self.rows_and_probs_kernel, moved, probs.reshape(num_rows, 1), rows)
         return out[:, :hidden], out_probs.reshape(num_rows)
+
+
+_CHUNK_SORTS = {}  # the chunk sort kernels -> their ChunkSort (one per set of kernels: ops are registered once)
+
+
+def chunk_sort(kernels=None) -> ChunkSort:
+    """The NKI target's chunk sort over these kernels (rows, rows with probs), by default
+    permgen.nki_kernels'."""
+    if kernels is None:
+        from . import nki_kernels
+        kernels = (nki_kernels.sort_chunks, nki_kernels.sort_chunks_probs)
+    found = _CHUNK_SORTS.get(kernels)
+    if found is None:
+        import nki
+        rows_kernel, rows_and_probs_kernel = (*kernels, None)[:2]
+        found = _CHUNK_SORTS[kernels] = ChunkSort(NkiChunkKernels(rows_kernel, rows_and_probs_kernel, nki.simulate))
+    return found

@@ -1,26 +1,14 @@
-"""permute, unpermute and the chunk sort, written once for every variant and target, and their
-torch.library ops.
+"""permute, unpermute and the chunk sort, written once for every variant and target: argument
+checks, autograd and the torch.library ops over a target's backend.
 
-A generated module binds its kernels to a target backend (`permgen.triton_host.TritonBackend`,
-`permgen.nki_host.NkiBackend`) and exposes `Ops(VARIANT, backend).permute / .unpermute /
-.sort_chunks` (the last once `bind_sort_chunks` gave it the chunk sort kernels). This
-module checks the arguments (permgen.contract), runs the backend, and registers each variant's ops
-as `torch.library` custom ops; a backend only allocates and launches. Backend methods:
+A generated module binds its kernels to a backend (`permgen.triton_host.TritonBackend`,
+`permgen.nki_host.NkiBackend`, both `Backend`s below) and exposes `ops = Ops(VARIANT, backend)`:
+`ops.permute` and `ops.unpermute` are the module's public functions. A call checks its arguments
+(permgen.contract), then runs the backend, which allocates and launches; nothing else sits between.
 
-    permute(plan, tokens, routing, probs, scale)
-        -> (out, out_probs | None, out_scale | None, tokens_per_expert, row_map, num_rows)
-    unpermute(row_id_map, permuted, merging_probs | None) -> out
-    permute_backward(row_id_map, grad_out | None, grad_out_probs | None, (probs shape, dtype) | None)
-        -> (grad_tokens | None, grad_probs | None)
-    unpermute_backward(row_id_map, grad_out, permuted | None, merging_probs | None)
-        -> (grad_permuted, grad_probs | None)
-    bind_sort_chunks(*kernels)            the module's chunk sort kernels
-    chunk_table(split_sizes, sorted_idxs) -> int32 [4, C + 1]    (layout: chunk_table below)
-    sort_chunks(table, inverse, tokens, probs | None) -> (out, out_probs | None)
-    gather_rows(rows, src) -> out    out[r] = src[rows[r]] (Triton; expert parallelism, permgen.ep)
-
-Custom ops. Each variant registers, in the `permgen` namespace and under the prefix
-`<target>_<variant>_` (e.g. `permgen::triton_probs_bf16_mask_permute`):
+Custom ops. A variant registers, in the `permgen` namespace under the prefix `<target>_<variant>_`
+(e.g. `permgen::triton_probs_bf16_mask_permute`), on its first call that needs them (under
+torch.compile, or with autograd), never at import:
 
     permute                  (tokens, routing, probs?, scale?, num_experts, width, num_out_tokens?,
                               check_routing) -> (out, [out_probs], [out_scale], tokens_per_expert, row_map)
@@ -31,10 +19,9 @@ Custom ops. Each variant registers, in the `permgen` namespace and under the pre
     permute_backward_probs   (row_map, grad_out?, grad_out_probs, ..., prob_columns, probs_dtype)
                               -> (grad_tokens ([N, 0] without grad_out), grad_probs)
     unpermute_backward_probs (row_map, grad_out, permuted, merging_probs, ...) -> (grad_permuted, grad_probs)
-  and, once the module binds its chunk sort kernels (bind_sort_chunks):
-    chunk_table              (split_sizes, sorted_idxs) -> table
-    sort_chunks              (tokens, table, inverse) -> out
-    sort_chunks_probs        (tokens, probs, table, inverse) -> (out, out_probs)     variants with probs
+
+The chunk sort depends on no variant: each target has one `ChunkSort`, whose ops are
+`permgen::<target>_chunk_table`, `<target>_sort_chunks` and `<target>_sort_chunks_probs`.
 
 Only tensors and ints cross an op boundary: the row map travels as its int32 tensor and
 `RowIdMap` is rebuilt in Python from the static sizes. permute and unpermute carry registered
@@ -48,31 +35,179 @@ over the op implementations: the dispatcher's custom-op path costs the host a fe
 call. All paths run the same backend code on the same arguments, so results are identical.
 """
 
+from typing import NamedTuple, Optional, Protocol
+
 import torch
 
-from .contract import (PermutePlan, check_permute, check_tensor, check_unpermute, combine_dtype, load_dtypes,
-                       out_dtype, prob_dtypes, routing_error, scale_columns, scale_dtype, scale_kind, token_dtype)
+from .contract import PermutePlan, check_permute, check_tensor, check_unpermute, prob_dtypes, routing_error
 from .results import PermuteResult, RowIdMap, row_map_words
+from .variant import Variant
 
 NAMESPACE = "permgen"
-_TAKEN = set()  # op name prefixes registered in this process
+_TAKEN = set()  # op name prefixes taken in this process
 
 
-def _prefix(target: str, name: str) -> str:
-    """`<target>_<variant>`; a second module defining the same variant (a vendored copy, a test's own
-    spec) gets a numbered prefix, since an op name can be registered only once per process."""
-    prefix, number = f"{target}_{name}", 1
+def _prefix(*parts: str) -> str:
+    """`<target>_<variant>` (or `<target>` for the chunk sort); a second module defining the same variant
+    (a vendored copy, a test's own spec) gets a numbered prefix, since an op name can be registered
+    only once per process."""
+    prefix = base = "_".join(parts)
+    number = 1
     while prefix in _TAKEN:
         number += 1
-        prefix = f"{target}_{name}_{number}"
+        prefix = f"{base}_{number}"
     _TAKEN.add(prefix)
     return prefix
 
 
-def chunk_arguments(variant: dict, split_sizes, sorted_idxs, num_rows: int, device):
+# ---------------------------------------------------------------------------------------------
+# The backend interface: what a target implements, once for every variant
+# ---------------------------------------------------------------------------------------------
+
+class PermuteOutputs(NamedTuple):
+    tokens: torch.Tensor  # [M, H] permuted rows, in the variant's out dtype
+    probs: Optional[torch.Tensor]  # [M] (variants with probs)
+    scale: Optional[torch.Tensor]  # [M, S] moved or computed scales (variants that return scales)
+    tokens_per_expert: torch.Tensor  # int64 [E]
+    row_map: torch.Tensor  # int32, laid out as permgen.results.RowMapLayout says
+    num_rows: int  # M
+
+
+class Grads(NamedTuple):
+    """A backward pass's gradients: of the rows (tokens for permute, permuted rows for unpermute) and of the probs."""
+
+    rows: Optional[torch.Tensor]
+    probs: Optional[torch.Tensor]
+
+
+class Backend(Protocol):
+    """Allocates and launches one variant's kernels on one target; `Ops` has checked the arguments."""
+
+    target: str
+
+    def check_device(self, tokens: torch.Tensor) -> None: ...
+
+    def permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs: ...
+
+    def unpermute(self, row_id_map: RowIdMap, permuted, merging_probs) -> torch.Tensor: ...
+
+    def permute_backward(self, row_id_map: RowIdMap, grad_out, grad_out_probs, probs_meta) -> Grads:
+        """probs_meta: (shape, dtype) of the probs' gradient, with grad_out_probs."""
+
+    def unpermute_backward(self, row_id_map: RowIdMap, grad_out, permuted, merging_probs) -> Grads: ...
+
+    def chunk_sort(self, kernels: tuple) -> "ChunkSort":
+        """The target's chunk sort over these kernels (one ChunkSort per set of kernels)."""
+
+
+class ChunkKernels(Protocol):
+    """A target's chunk sort, for every dtype (its rows move as words)."""
+
+    target: str
+
+    def check_device(self, tokens: torch.Tensor) -> None: ...
+
+    def chunk_table(self, split_sizes, sorted_idxs) -> torch.Tensor:
+        """int32 [4, C + 1] (layout: chunk_table below)."""
+
+    def sort_chunks(self, table, inverse: bool, tokens, probs) -> tuple:
+        """(out, out_probs | None): tokens [N, H] (and probs [N]) sorted by the table's chunks;
+        inverse: by the table's other half, which undoes the sort."""
+
+
+def _define_op(qualname, impl, schema):
+    return torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
+
+
+@torch.compiler.assume_constant_result
+def _registered(owner) -> bool:
+    """Register `owner`'s ops on its first call that needs them. Under torch.compile this runs
+    while Dynamo traces, as plain Python (no op can be defined from traced code); the handles are
+    read only after it."""
+    if not owner._op:
+        owner._register()
+    return True
+
+
+class _Registered:
+    """Custom ops defined on first use; `op` (OpOverloads, the cheapest handle to call), `eager`
+    (the same formulas as autograd.Functions over the implementations) and `custom_ops`."""
+
+    define = staticmethod(_define_op)
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self._op, self._eager, self._custom_ops, self._impl = {}, {}, {}, {}
+
+    @property
+    def op(self):
+        _registered(self)
+        return self._op
+
+    @property
+    def eager(self):
+        _registered(self)
+        return self._eager
+
+    @property
+    def custom_ops(self):
+        _registered(self)
+        return self._custom_ops
+
+    def _register(self):
+        raise NotImplementedError
+
+    def _define(self, defs):
+        """Register {op: (implementation, fake implementation, schema)} under this prefix."""
+        ns = getattr(torch.ops, NAMESPACE)
+        for op, (impl, fake, schema) in defs.items():
+            custom = self.define(f"{NAMESPACE}::{self.prefix}_{op}", impl, schema)
+            custom.register_fake(fake)
+            self._custom_ops[op] = custom
+            self._impl[op] = impl
+            self._op[op] = getattr(ns, f"{self.prefix}_{op}").default
+
+    def _autograd(self, op, backward, setup):
+        """The op's autograd under torch.compile, and the same formula for eager calls as an
+        autograd.Function over the implementations (the dispatcher's custom-op autograd costs the host
+        a few times more per call). Backward passes call ctx.calls: the ops, or the implementations."""
+        self._custom_ops[op].register_autograd(backward, setup_context=setup)
+        impl, impls = self._impl[op], self._impl
+
+        class Eager(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                output = impl(*args)
+                setup(ctx, args, output)
+                ctx.calls = impls
+                return output
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return backward(ctx, *grads)
+
+        Eager.__name__ = f"{self.prefix}_{op}"
+        self._eager[op] = Eager.apply
+
+    def _calls(self, *inputs):
+        """The ops under torch.compile; the eager autograd functions when a gradient can flow; else
+        None: the backend is called directly (the plain call costs the host the least)."""
+        if torch.compiler.is_compiling():
+            return self.op
+        if torch.is_grad_enabled():
+            for t in inputs:
+                if t is not None and t.requires_grad:
+                    return self.eager
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers of the chunk sort and of index routing
+# ---------------------------------------------------------------------------------------------
+
+def chunk_arguments(where: str, split_sizes, sorted_idxs, num_rows: int, device):
     """split_sizes and sorted_idxs checked (fully when they are on the CPU: no device sync) and on
     the device of the rows."""
-    where = variant["name"]
     for name, t in (("split_sizes", split_sizes), ("sorted_idxs", sorted_idxs)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
             raise ValueError(f"{where}: {name} must be a 1-D integer tensor")
@@ -136,51 +271,120 @@ def experts_from_ids(where, routing) -> int:
     return max(high + 1, 1)
 
 
-def _define_op(qualname, impl, schema):
-    return torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
+# ---------------------------------------------------------------------------------------------
+# The chunk sort: one per target, for every dtype
+# ---------------------------------------------------------------------------------------------
 
+class ChunkSort(_Registered):
+    """TransformerEngine's moe_sort_chunks_by_index on one target, differentiable, and its ops
+    `permgen::<target>_chunk_table` (split_sizes, sorted_idxs) -> table, `<target>_sort_chunks`
+    (tokens, table, inverse) -> out and `<target>_sort_chunks_probs` (tokens, probs, table, inverse)
+    -> (out, out_probs). The backward pass of a sort is the same op with inverse flipped."""
 
-class Ops:
-    """The public functions of one variant on one target, and its custom ops."""
-
-    def __init__(self, variant: dict, backend):
-        load_dtypes()  # before any call is traced
-        self.variant = variant
-        self.backend = backend
-        self.name = variant["name"]
-        self.token_dtype = token_dtype(variant)
-        self.combine_dtype = combine_dtype(variant)
-        self.mask = variant["routing"] == "mask"
-        self.has_probs = variant["probs"]
-        self.has_scale = scale_kind(variant) != "none"  # permute returns scales (moved, or computed)
-        self.fp8 = self.token_dtype.itemsize == 1
-        self.quantizes = variant["quantize"] != "none"
-        self.prefix = _prefix(getattr(backend, "target", "triton"), self.name)
-        self._register()
-
-    # -- the work, shared by the direct path and the ops -------------------------------------------
-
-    def _run_permute(self, plan, tokens, routing, probs, scale):
-        if plan.num_experts is None:
-            plan = plan._replace(num_experts=experts_from_ids(self.name, routing))
-        if plan.check_routing:
-            problem = routing_error(self.variant, routing, plan.num_experts, plan.width)
-            if problem:
-                raise ValueError(f"{self.name}: {problem}")
-        return self.backend.permute(plan, tokens, routing, probs, scale)
-
-    def _row_id_map(self, row_map, num_tokens, width, num_experts, num_rows, routing=None):
-        return RowIdMap(row_map, routing, num_tokens, width, num_experts, num_rows, self.name)
-
-    # -- registration ------------------------------------------------------------------------------
+    def __init__(self, kernels: ChunkKernels):
+        super().__init__(_prefix(kernels.target))
+        self.kernels = kernels
+        self.define = getattr(kernels, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
+        self.prob_dtypes = prob_dtypes()
 
     def _register(self):
-        """Define this variant's ops (see the module docstring) and keep their handles."""
-        p = self.prefix
+        self._define({
+            "chunk_table": (self.kernels.chunk_table, self._chunk_table_fake,
+                            "(Tensor split_sizes, Tensor sorted_idxs) -> Tensor"),
+            "sort_chunks": (self._sort_impl, self._sort_fake, "(Tensor tokens, Tensor table, bool inverse) -> Tensor"),
+            "sort_chunks_probs": (self._sort_probs_impl, self._sort_probs_fake,
+                                  "(Tensor tokens, Tensor probs, Tensor table, bool inverse) "
+                                  "-> (Tensor out, Tensor out_probs)"),
+        })
+        self._autograd("sort_chunks", self._sort_backward, self._sort_setup)
+        self._autograd("sort_chunks_probs", self._sort_probs_backward, self._sort_setup)
+
+    @staticmethod
+    def _chunk_table_fake(split_sizes, sorted_idxs):
+        return split_sizes.new_empty((4, split_sizes.shape[0] + 1), dtype=torch.int32)
+
+    def _sort_impl(self, tokens, table, inverse):
+        return self.kernels.sort_chunks(table, inverse, tokens.contiguous(), None)[0]
+
+    @staticmethod
+    def _sort_fake(tokens, table, inverse):
+        return torch.empty_like(tokens, memory_format=torch.contiguous_format)
+
+    def _sort_probs_impl(self, tokens, probs, table, inverse):
+        return tuple(self.kernels.sort_chunks(table, inverse, tokens.contiguous(), probs.contiguous()))
+
+    @staticmethod
+    def _sort_probs_fake(tokens, probs, table, inverse):
+        return (torch.empty_like(tokens, memory_format=torch.contiguous_format),
+                torch.empty_like(probs, memory_format=torch.contiguous_format))
+
+    def _sort_setup(self, ctx, inputs, output):
+        ctx.calls = self.op
+        ctx.save_for_backward(inputs[-2])
+        ctx.inverse = inputs[-1]
+        if inputs[0].element_size() == 1:  # fp8 rows are quantised data, never differentiated
+            ctx.mark_non_differentiable(output[0] if isinstance(output, tuple) else output)
+
+    @staticmethod
+    def _sort_backward(ctx, grad_out):
+        (table,) = ctx.saved_tensors
+        return ctx.calls["sort_chunks"](grad_out, table, not ctx.inverse), None, None
+
+    @staticmethod
+    def _sort_probs_backward(ctx, grad_out, grad_probs):
+        (table,) = ctx.saved_tensors
+        grad_tokens, grad_probs = ctx.calls["sort_chunks_probs"](grad_out, grad_probs, table, not ctx.inverse)
+        needs = ctx.needs_input_grad
+        return (grad_tokens if needs[0] else None), (grad_probs if needs[1] else None), None, None
+
+    def sort(self, where, tokens, split_sizes, sorted_idxs, probs=None, token_dtypes=None):
+        """Split the rows of tokens [N, H] into chunks of split_sizes (they sum to N) and concatenate
+        the chunks in the order of sorted_idxs; probs [N] move with their rows. Returns (out,
+        out_probs | None). token_dtypes: those allowed (None: any). Errors start with `where`.
+
+        split_sizes and sorted_idxs on the CPU are checked and copied to the device without a
+        device sync (but not capturable in a CUDA graph); on the device they are not checked: a
+        negative size counts as empty, and rows past sizes that do not sum to N are zeros."""
+        if token_dtypes is None:
+            token_dtypes = (getattr(tokens, "dtype", None),)
+        check_tensor(where, "tokens", tokens, (None, None), token_dtypes, None)
+        num_tokens = tokens.shape[0]
+        if probs is not None:
+            check_tensor(where, "probs", probs, (num_tokens,), self.prob_dtypes, tokens.device)
+        self.kernels.check_device(tokens)
+        sizes, order = chunk_arguments(where, split_sizes, sorted_idxs, num_tokens, tokens.device)
+        calls = self._calls(tokens, probs)
+        if calls is None:
+            return tuple(self.kernels.sort_chunks(self.kernels.chunk_table(sizes, order), False, tokens, probs))
+        table = calls["chunk_table"](sizes, order) if torch.compiler.is_compiling() else \
+            self.kernels.chunk_table(sizes, order)
+        if probs is None:
+            return calls["sort_chunks"](tokens, table, False), None
+        return tuple(calls["sort_chunks_probs"](tokens, probs, table, False))
+
+
+# ---------------------------------------------------------------------------------------------
+# One variant's permute and unpermute
+# ---------------------------------------------------------------------------------------------
+
+class Ops(_Registered):
+    """The public functions of one variant on one target, and its custom ops."""
+
+    def __init__(self, variant, backend: Backend):
+        self.variant = Variant.of(variant).bind_torch()  # torch dtypes looked up before any call is traced
+        self.backend = backend
+        self.chunk_sort = None  # bind_sort_chunks
+        self.name = self.variant.name
+        self.define = getattr(backend, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
+        super().__init__(_prefix(backend.target, self.name))
+
+    def _register(self):
+        """Define this variant's ops (see the module docstring)."""
+        v = self.variant
         sizes = "SymInt num_tokens, SymInt width, SymInt num_experts"
-        permute_returns = ", ".join(["Tensor out"] + ["Tensor out_probs"] * self.has_probs
-                                    + ["Tensor out_scale"] * self.has_scale + ["Tensor tokens_per_expert",
-                                                                               "Tensor row_map"])
+        permute_returns = ", ".join(["Tensor out"] + ["Tensor out_probs"] * v.probs
+                                    + ["Tensor out_scale"] * v.makes_scale + ["Tensor tokens_per_expert",
+                                                                              "Tensor row_map"])
         defs = {
             "permute": (self._permute_impl, self._permute_fake,
                         "(Tensor tokens, Tensor routing, Tensor? probs, Tensor? scale, SymInt? num_experts, "
@@ -192,7 +396,7 @@ class Ops:
             "unpermute_backward": (self._unpermute_backward_impl, self._unpermute_backward_fake,
                                    f"(Tensor row_map, Tensor grad_out, {sizes}, SymInt num_rows) -> Tensor"),
         }
-        if self.has_probs:
+        if v.probs:
             defs["permute_backward_probs"] = (
                 self._permute_backward_probs_impl, self._permute_backward_probs_fake,
                 f"(Tensor row_map, Tensor? grad_out, Tensor grad_out_probs, {sizes}, SymInt num_rows, "
@@ -201,71 +405,55 @@ class Ops:
                 self._unpermute_backward_probs_impl, self._unpermute_backward_probs_fake,
                 f"(Tensor row_map, Tensor grad_out, Tensor permuted, Tensor merging_probs, {sizes}) "
                 "-> (Tensor grad_permuted, Tensor grad_probs)")
-        self.custom_ops, self.op, self.impl, self.eager = {}, {}, {}, {}
         self._define(defs)
-        self._register_autograd("permute", self._permute_backward, self._permute_setup)
-        self._register_autograd("unpermute", self._unpermute_backward, self._unpermute_setup)
+        self._autograd("permute", self._permute_backward, self._permute_setup)
+        self._autograd("unpermute", self._unpermute_backward, self._unpermute_setup)
 
-    def _define(self, defs):
-        """Register {op: (implementation, fake implementation, schema)} under this variant's prefix."""
-        ns = getattr(torch.ops, NAMESPACE)
-        define = getattr(self.backend, "define_op", _define_op)  # the NKI backend defines them through torch-neuronx
-        for op, (impl, fake, schema) in defs.items():
-            custom = define(f"{NAMESPACE}::{self.prefix}_{op}", impl, schema)
-            custom.register_fake(fake)
-            self.custom_ops[op] = custom
-            self.op[op] = getattr(ns, f"{self.prefix}_{op}").default  # an OpOverload: the cheapest handle to call
-            self.impl[op] = impl
-
-    def _register_autograd(self, op, backward, setup):
-        """The op's autograd under torch.compile, and the same formula for eager calls as an
-        autograd.Function over the implementations (the dispatcher's custom-op autograd costs the host
-        a few times more per call). Backward passes call ctx.calls: the ops, or the implementations."""
-        self.custom_ops[op].register_autograd(backward, setup_context=setup)
-        impl, impls = self.impl[op], self.impl
-
-        class Eager(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, *args):
-                output = impl(*args)
-                setup(ctx, args, output)
-                ctx.calls = impls
-                return output
-
-            @staticmethod
-            def backward(ctx, *grads):
-                return backward(ctx, *grads)
-
-        Eager.__name__ = f"{self.prefix}_{op}"
-        self.eager[op] = Eager.apply
+    def _row_id_map(self, row_map, num_tokens, width, num_experts, num_rows, routing=None):
+        return RowIdMap(row_map, routing, num_tokens, width, num_experts, num_rows, self.name)
 
     # -- permute -----------------------------------------------------------------------------------
 
-    def _permute_outputs(self, out, out_probs, out_scale, tokens_per_expert, row_map):
-        return (out, *([out_probs] if self.has_probs else []), *([out_scale] if self.has_scale else []),
-                tokens_per_expert, row_map)
+    def _run_permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs:
+        if plan.num_experts is None:
+            plan = plan._replace(num_experts=experts_from_ids(self.name, routing))
+        if plan.check_routing:
+            problem = routing_error(self.variant, routing, plan.num_experts, plan.width)
+            if problem:
+                raise ValueError(f"{self.name}: {problem}")
+        return self.backend.permute(plan, tokens, routing, probs, scale)
+
+    def _op_outputs(self, outs) -> PermuteOutputs:
+        """The permute op's outputs (a variant-length tuple: the schema has no optional outputs) by name."""
+        v = self.variant
+        probs = outs[1] if v.probs else None
+        scale = outs[1 + v.probs] if v.makes_scale else None
+        return PermuteOutputs(outs[0], probs, scale, outs[-2], outs[-1], outs[0].shape[0])
 
     def _permute_impl(self, tokens, routing, probs, scale, num_experts, width, num_out_tokens, check_routing):
         plan = PermutePlan(tokens.shape[0], tokens.shape[1], num_experts, width, num_out_tokens, check_routing)
-        return self._permute_outputs(*self._run_permute(plan, tokens, routing, probs, scale)[:5])
+        out = self._run_permute(plan, tokens, routing, probs, scale)
+        return tuple(t for t in out[:5] if t is not None)
 
     def _permute_fake(self, tokens, routing, probs, scale, num_experts, width, num_out_tokens, check_routing):
+        v = self.variant
         num_tokens, hidden = tokens.shape
         num_rows = num_out_tokens
         if num_rows is None:  # the rows the routes need: known only once the routing is read
             num_rows = torch.library.get_ctx().new_dynamic_size()
         if num_experts is None:  # index routing's max id + 1, read from the ids
             num_experts = torch.library.get_ctx().new_dynamic_size(min=1)
-        out = tokens.new_empty((num_rows, hidden), dtype=out_dtype(self.variant))
-        out_probs = None if probs is None else probs.new_empty((num_rows,))
-        out_scale = None
-        if self.has_scale:
-            out_scale = tokens.new_empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant))
-        tokens_per_expert = tokens.new_empty((num_experts,), dtype=torch.int64)
-        row_map = tokens.new_empty((row_map_words(self.mask, num_tokens, width, num_experts),), dtype=torch.int32)
-        return self._permute_outputs(out, out_probs, out_scale, tokens_per_expert, row_map)
+        outs = [tokens.new_empty((num_rows, hidden), dtype=v.out_dtype)]
+        if v.probs:
+            outs.append(probs.new_empty((num_rows,)))
+        if v.makes_scale:
+            outs.append(tokens.new_empty((num_rows, v.scale_columns(hidden)), dtype=v.scale_dtype))
+        outs.append(tokens.new_empty((num_experts,), dtype=torch.int64))
+        outs.append(tokens.new_empty((row_map_words(v.mask, num_tokens, width, num_experts),), dtype=torch.int32))
+        return tuple(outs)
 
     def _permute_setup(self, ctx, inputs, output):
+        v = self.variant
         ctx.calls = self.op
         tokens, routing, probs, _, _, width, _, _ = inputs
         ctx.save_for_backward(output[-1])
@@ -273,9 +461,9 @@ class Ops:
         ctx.probs_meta = None if probs is None else (probs.shape[1], probs.dtype)
         # fp8 rows are quantised data, never differentiated: autograd would cast their grads to fp8.
         # Quantising variants' token grads are unpermute(grad_rows, row_id_map), the straight-through sum.
-        frozen = [output[0]] if self.fp8 or self.quantizes else []
-        if self.has_scale:
-            frozen.append(output[1 + self.has_probs])
+        frozen = [output[0]] if v.is_fp8 or v.quantizes else []
+        if v.makes_scale:
+            frozen.append(output[1 + v.probs])
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         ctx.set_materialize_grads(False)  # no zero-filled grads for outputs nothing flowed back to
@@ -284,7 +472,7 @@ class Ops:
         (row_map,) = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grad_out = grad_out if needs[0] else None
-        grad_out_probs = grads[0] if self.has_probs and needs[2] else None
+        grad_out_probs = grads[0] if self.variant.probs and needs[2] else None
         grad_tokens = grad_probs = None
         if grad_out_probs is not None:
             columns, dtype = ctx.probs_meta
@@ -297,7 +485,7 @@ class Ops:
 
     def _permute_backward_impl(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
         row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, num_rows)
-        return self.backend.permute_backward(row_id_map, grad_out.contiguous(), None, None)[0]
+        return self.backend.permute_backward(row_id_map, grad_out.contiguous(), None, None).rows
 
     def _permute_backward_fake(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
         return grad_out.new_empty((num_tokens, grad_out.shape[1]))
@@ -309,13 +497,13 @@ class Ops:
             row_id_map, None if grad_out is None else grad_out.contiguous(), grad_out_probs.contiguous(),
             ((num_tokens, prob_columns), probs_dtype))
         if grad_tokens is None:
-            grad_tokens = grad_out_probs.new_empty((num_tokens, 0), dtype=self.combine_dtype)
+            grad_tokens = grad_out_probs.new_empty((num_tokens, 0), dtype=self.variant.combine_dtype)
         return grad_tokens, grad_probs
 
     def _permute_backward_probs_fake(self, row_map, grad_out, grad_out_probs, num_tokens, width, num_experts,
                                      num_rows, prob_columns, probs_dtype):
         if grad_out is None:
-            grad_tokens = grad_out_probs.new_empty((num_tokens, 0), dtype=self.combine_dtype)
+            grad_tokens = grad_out_probs.new_empty((num_tokens, 0), dtype=self.variant.combine_dtype)
         else:
             grad_tokens = grad_out.new_empty((num_tokens, grad_out.shape[1]))
         return grad_tokens, grad_out_probs.new_empty((num_tokens, prob_columns), dtype=probs_dtype)
@@ -354,7 +542,7 @@ class Ops:
 
     def _unpermute_backward_impl(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
         row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, num_rows)
-        return self.backend.unpermute_backward(row_id_map, grad_out.contiguous(), None, None)[0]
+        return self.backend.unpermute_backward(row_id_map, grad_out.contiguous(), None, None).rows
 
     def _unpermute_backward_fake(self, row_map, grad_out, num_tokens, width, num_experts, num_rows):
         return grad_out.new_empty((num_rows, grad_out.shape[1]))
@@ -362,106 +550,11 @@ class Ops:
     def _unpermute_backward_probs_impl(self, row_map, grad_out, permuted, merging_probs, num_tokens, width,
                                        num_experts):
         row_id_map = self._row_id_map(row_map, num_tokens, width, num_experts, permuted.shape[0])
-        return self.backend.unpermute_backward(row_id_map, grad_out.contiguous(), permuted, merging_probs)
+        return tuple(self.backend.unpermute_backward(row_id_map, grad_out.contiguous(), permuted, merging_probs))
 
     def _unpermute_backward_probs_fake(self, row_map, grad_out, permuted, merging_probs, num_tokens, width,
                                        num_experts):
         return grad_out.new_empty((permuted.shape[0], grad_out.shape[1])), torch.empty_like(merging_probs)
-
-    # -- chunk sort --------------------------------------------------------------------------------
-
-    def bind_sort_chunks(self, *kernels):
-        """Give the backend the variant's chunk sort kernels and register the ops
-        `chunk_table` (split_sizes, sorted_idxs) -> table, `sort_chunks` (tokens, table, inverse)
-        -> out and, with probs, `sort_chunks_probs` (tokens, probs, table, inverse) -> (out,
-        out_probs). The backward pass of a sort is the same op with inverse flipped."""
-        self.backend.bind_sort_chunks(*kernels)
-        defs = {"chunk_table": (self._chunk_table_impl, self._chunk_table_fake,
-                                "(Tensor split_sizes, Tensor sorted_idxs) -> Tensor"),
-                "sort_chunks": (self._sort_chunks_impl, self._sort_chunks_fake,
-                                "(Tensor tokens, Tensor table, bool inverse) -> Tensor")}
-        if self.has_probs:
-            defs["sort_chunks_probs"] = (self._sort_chunks_probs_impl, self._sort_chunks_probs_fake,
-                                         "(Tensor tokens, Tensor probs, Tensor table, bool inverse) "
-                                         "-> (Tensor out, Tensor out_probs)")
-        self._define(defs)
-        self._register_autograd("sort_chunks", self._sort_chunks_backward, self._sort_chunks_setup)
-        if self.has_probs:
-            self._register_autograd("sort_chunks_probs", self._sort_chunks_probs_backward, self._sort_chunks_setup)
-
-    def _chunk_table_impl(self, split_sizes, sorted_idxs):
-        return self.backend.chunk_table(split_sizes, sorted_idxs)
-
-    def _chunk_table_fake(self, split_sizes, sorted_idxs):
-        return split_sizes.new_empty((4, split_sizes.shape[0] + 1), dtype=torch.int32)
-
-    def _sort_chunks_impl(self, tokens, table, inverse):
-        return self.backend.sort_chunks(table, inverse, tokens.contiguous(), None)[0]
-
-    def _sort_chunks_fake(self, tokens, table, inverse):
-        return torch.empty_like(tokens, memory_format=torch.contiguous_format)
-
-    def _sort_chunks_probs_impl(self, tokens, probs, table, inverse):
-        return self.backend.sort_chunks(table, inverse, tokens.contiguous(), probs.contiguous())
-
-    def _sort_chunks_probs_fake(self, tokens, probs, table, inverse):
-        return (torch.empty_like(tokens, memory_format=torch.contiguous_format),
-                torch.empty_like(probs, memory_format=torch.contiguous_format))
-
-    def _sort_chunks_setup(self, ctx, inputs, output):
-        ctx.calls = self.op
-        ctx.save_for_backward(inputs[-2])
-        ctx.inverse = inputs[-1]
-        if self.fp8:
-            ctx.mark_non_differentiable(output[0] if isinstance(output, tuple) else output)
-
-    def _sort_chunks_backward(self, ctx, grad_out):
-        (table,) = ctx.saved_tensors
-        return ctx.calls["sort_chunks"](grad_out, table, not ctx.inverse), None, None
-
-    def _sort_chunks_probs_backward(self, ctx, grad_out, grad_probs):
-        (table,) = ctx.saved_tensors
-        grad_tokens, grad_probs = ctx.calls["sort_chunks_probs"](grad_out, grad_probs, table, not ctx.inverse)
-        needs = ctx.needs_input_grad
-        return (grad_tokens if needs[0] else None), (grad_probs if needs[1] else None), None, None
-
-    def sort_chunks(self, tokens, split_sizes, sorted_idxs, probs=None):
-        """Split the rows of tokens [N, H] into chunks of split_sizes (they sum to N) and concatenate
-        the chunks in the order of sorted_idxs (TransformerEngine's moe_sort_chunks_by_index); probs
-        [N] (variants with probs) move with their rows. Differentiable. Returns (out, out_probs | None).
-
-        split_sizes and sorted_idxs on the CPU are checked and copied to the device without a
-        device sync (but not capturable in a CUDA graph); on the device they are not checked: a
-        negative size counts as empty, and rows past sizes that do not sum to N are zeros."""
-        check_tensor(self.variant, "tokens", tokens, (None, None), (self.token_dtype,), None)
-        num_tokens = tokens.shape[0]
-        if probs is not None:
-            if not self.has_probs:
-                raise ValueError(f"{self.name}: this variant has no probs; use a variant with probs = true")
-            check_tensor(self.variant, "probs", probs, (num_tokens,), prob_dtypes(), tokens.device)
-        self.backend.check_device(tokens)
-        sizes, order = chunk_arguments(self.variant, split_sizes, sorted_idxs, num_tokens, tokens.device)
-        calls = self._calls(tokens, probs)
-        if calls is self.op:
-            table = calls["chunk_table"](sizes, order)
-        else:
-            table = self.backend.chunk_table(sizes, order)
-        if calls is None:
-            return self.backend.sort_chunks(table, False, tokens, probs)
-        if probs is None:
-            return calls["sort_chunks"](tokens, table, False), None
-        return tuple(calls["sort_chunks_probs"](tokens, probs, table, False))
-
-    def _calls(self, *inputs):
-        """The ops under torch.compile; the eager autograd functions when a gradient can flow; else
-        None: the backend is called directly (the plain call costs the host the least)."""
-        if torch.compiler.is_compiling():
-            return self.op
-        if torch.is_grad_enabled():
-            for t in inputs:
-                if t is not None and t.requires_grad:
-                    return self.eager
-        return None
 
     # -- the public functions ----------------------------------------------------------------------
 
@@ -495,24 +588,19 @@ class Ops:
                                  num_out_tokens=None, topk=None, check_routing=None, from_ids=True) -> PermuteResult:
         """permute; with from_ids, index routing without num_experts takes max id + 1 as the expert
         count (one host sync; under torch.compile a data-dependent size), as TransformerEngine's
-        index maps do. Not part of a variant module's documented surface: permgen.te calls it."""
+        index maps do (permgen.te calls it)."""
         plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
                              check_routing, from_ids)
         self.backend.check_device(tokens)
         calls = self._calls(tokens, probs)
-        if calls is not None:
-            outs = list(calls["permute"](tokens, routing, probs, scale, plan.num_experts, plan.width,
-                                         plan.num_out_tokens, plan.check_routing))
-            out = outs.pop(0)
-            out_probs = outs.pop(0) if self.has_probs else None
-            out_scale = outs.pop(0) if self.has_scale else None
-            tokens_per_expert, row_map = outs
+        if calls is None:
+            out = self._run_permute(plan, tokens, routing, probs, scale)
         else:
-            out, out_probs, out_scale, tokens_per_expert, row_map, _ = self._run_permute(
-                plan, tokens, routing, probs, scale)
-        num_experts = plan.num_experts if plan.num_experts is not None else tokens_per_expert.shape[0]
-        row_id_map = self._row_id_map(row_map, plan.num_tokens, plan.width, num_experts, out.shape[0], routing)
-        return PermuteResult(out, out_probs, out_scale, row_id_map, tokens_per_expert)
+            out = self._op_outputs(calls["permute"](tokens, routing, probs, scale, plan.num_experts, plan.width,
+                                                    plan.num_out_tokens, plan.check_routing))
+        num_experts = plan.num_experts if plan.num_experts is not None else out.tokens_per_expert.shape[0]
+        row_id_map = RowIdMap(out.row_map, routing, plan.num_tokens, plan.width, num_experts, out.num_rows, self.name)
+        return PermuteResult(out.tokens, out.probs, out.scale, row_id_map, out.tokens_per_expert)
 
     def unpermute(self, permuted, row_id_map, merging_probs=None, restore_shape=None):
         """Sum each token's expert rows back into one row, weighted by merging_probs when given.
@@ -528,3 +616,17 @@ class Ops:
             return calls["unpermute"](permuted, row_id_map.row_map, merging_probs, row_id_map.num_tokens,
                                       row_id_map.width, row_id_map.num_experts)
         return self.backend.unpermute(row_id_map, permuted, merging_probs)
+
+    def bind_sort_chunks(self, *kernels):
+        """Sort chunks with these kernels: the target's shared ones (every module binds the same, so
+        one set of ops serves them all), or a vendored file's own copies."""
+        self.chunk_sort = self.backend.chunk_sort(kernels)
+
+    def sort_chunks(self, tokens, split_sizes, sorted_idxs, probs=None):
+        """Split the rows of tokens [N, H] into chunks of split_sizes (they sum to N) and concatenate
+        the chunks in the order of sorted_idxs (TransformerEngine's moe_sort_chunks_by_index); probs
+        [N] (variants with probs) move with their rows. Differentiable. Returns (out, out_probs | None);
+        see ChunkSort.sort."""
+        if probs is not None and not self.variant.probs:
+            raise ValueError(f"{self.name}: this variant has no probs; use a variant with probs = true")
+        return self.chunk_sort.sort(self.name, tokens, split_sizes, sorted_idxs, probs, (self.variant.token_dtype,))

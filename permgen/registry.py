@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from . import contract
+from .variant import axis_error
 
 GENERATED = "permgen.generated"  # the package the generator writes (generated/ in the repository)
 _LOOKUP_AXES = tuple(a for a in contract.AXES if a != "targets")
@@ -24,25 +25,12 @@ def _check_target(target):
 
 
 def _check_axis_values(axes):
-    """Raise a ValueError naming the first axis whose value no variant can have."""
-    for axis, choices in AXIS_CHOICES.items():
-        if axis in axes and (not isinstance(axes[axis], str) or axes[axis] not in choices):
-            raise ValueError(f"{axis} must be one of {', '.join(map(repr, choices))}, got {axes[axis]!r}")
-    if "probs" in axes and not isinstance(axes["probs"], bool):
-        raise ValueError(f"probs must be True or False, got {axes['probs']!r}")
-    if "pad" in axes:
-        pad = axes["pad"]
-        if isinstance(pad, bool) or not isinstance(pad, int) or not (
-                pad == 0 or (2 <= pad <= contract.MAX_PAD and pad & (pad - 1) == 0)):
-            raise ValueError(f"pad must be 0 or a power of two from 2 to {contract.MAX_PAD}, got {pad!r}")
-    scale = axes.get("scale", AXIS_DEFAULTS["scale"])
-    if scale != "none" and axes["dtype"] not in contract.FP8_DTYPES:
-        raise ValueError(f"scale {scale!r} needs an fp8 dtype ({', '.join(map(repr, contract.FP8_DTYPES))}), "
-                         f"got dtype {axes['dtype']!r}; use scale='none'")
-    quantize = axes.get("quantize", AXIS_DEFAULTS["quantize"])
-    if quantize != "none" and (axes["dtype"] not in contract.QUANTIZABLE_DTYPES or scale != "none"):
-        raise ValueError(f"quantize {quantize!r} needs a dtype in {', '.join(map(repr, contract.QUANTIZABLE_DTYPES))} "
-                         f"and scale='none', got dtype {axes['dtype']!r}, scale {scale!r}")
+    """Raise a ValueError naming the first axis whose value no variant can have (the spec's rules,
+    permgen.variant.axis_error)."""
+    problem = axis_error({**AXIS_DEFAULTS, **axes})
+    if problem:
+        key, message = problem
+        raise ValueError(f"{key}: {message}")
 
 
 def find_variant(target, **axes) -> str:

@@ -4,35 +4,90 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .variant import Variant
 
-def route_words(mask: bool, num_tokens: int, width: int) -> int:
-    """Words of the row map before its segment table: dst rows, plus experts and route counts for
-    mask routing (see RowIdMap)."""
-    return (2 * width + 1) * num_tokens if mask else width * num_tokens
+
+class RowMapLayout(NamedTuple):
+    """Where each part of a row map starts, in int32 words: the one statement of the layout, which
+    every host takes its offsets from (the kernels' helpers in permgen.triton_kernels and
+    permgen.nki_kernels compute the same offsets; a test checks they agree).
+
+        dst rows        [N * W]
+        experts         [N * W]  mask routing only
+        route counts    [N]      mask routing only
+        segment offsets [E + 1]
+        segment counts  [E]
+        route tallies   [2]      routes dropped, and of them those without a slot
+    """
+
+    mask: bool
+    num_tokens: int
+    width: int
+    num_experts: int
+
+    @property
+    def dst_rows(self) -> int:
+        return 0
+
+    @property
+    def experts(self) -> int:
+        """Mask routing only."""
+        return self.num_tokens * self.width
+
+    @property
+    def route_counts(self) -> int:
+        """Mask routing only."""
+        return 2 * self.num_tokens * self.width
+
+    @property
+    def segment_offsets(self) -> int:
+        return (2 * self.width + 1) * self.num_tokens if self.mask else self.width * self.num_tokens
+
+    @property
+    def segment_counts(self) -> int:
+        return self.segment_offsets + self.num_experts + 1
+
+    @property
+    def route_tallies(self) -> int:
+        return self.segment_offsets + 2 * self.num_experts + 1
+
+    @property
+    def end(self) -> int:
+        """Words in use."""
+        return self.route_tallies + ROUTE_TALLIES
+
+    @property
+    def words(self) -> int:
+        """Words permute allocates: whole rows, so that TransformerEngine's functions (permgen.te) can
+        read the sizes back from a 2-D view. A mask map is [N + ceil((2E + 3) / (2W + 1)), 2W + 1] words
+        ([N + 2, 2E + 1] when W = E), an index map [N + 2E + 3, W]; the words past `end` are never read."""
+        tail = 2 * self.num_experts + 1 + ROUTE_TALLIES
+        if self.mask:
+            row = 2 * self.width + 1
+            return (self.num_tokens + -(-tail // row)) * row
+        return (self.num_tokens + tail) * max(self.width, 1)
 
 
 ROUTE_TALLIES = 2  # words after the segment table: routes dropped, routes without a slot
 
 
+def route_words(mask: bool, num_tokens: int, width: int) -> int:
+    """Words of the row map before its segment table (RowMapLayout.segment_offsets)."""
+    return RowMapLayout(mask, num_tokens, width, 0).segment_offsets
+
+
 def row_map_words(mask: bool, num_tokens: int, width: int, num_experts: int) -> int:
-    """Words permute allocates for a row map: whole rows, so that TransformerEngine's functions
-    (permgen.te) can read the sizes back from a 2-D view. A mask map is [N + ceil((2E + 3) / (2W + 1)),
-    2W + 1] words ([N + 2, 2E + 1] when W = E), an index map [N + 2E + 3, W]; the words after the
-    route tallies are never read."""
-    tail = 2 * num_experts + 1 + ROUTE_TALLIES
-    if mask:
-        row = 2 * width + 1
-        return (num_tokens + -(-tail // row)) * row
-    return (num_tokens + tail) * max(width, 1)
+    """Words permute allocates for a row map (RowMapLayout.words)."""
+    return RowMapLayout(mask, num_tokens, width, num_experts).words
 
 
-def write_route_tallies(variant: dict, routing, row_map, num_tokens: int, width: int, num_experts: int):
+def write_route_tallies(variant, routing, row_map, num_tokens: int, width: int, num_experts: int):
     """Write the row map's route tallies (permgen.results.RowIdMap.dropped) with torch ops, for a
     target whose kernels do not count them: routes dropped (slotted routes past the row cap, and
     the routes without a slot), then those without a slot."""
-    table = route_words(variant["routing"] == "mask", num_tokens, width)
-    kept = row_map[table + num_experts + 1:table + 2 * num_experts + 1].sum()
-    if variant["routing"] == "mask":
+    layout = RowMapLayout(variant.mask, num_tokens, width, num_experts)
+    kept = row_map[layout.segment_counts:layout.segment_counts + num_experts].sum()
+    if variant.mask:
         routes = (routing != 0).sum(1)
         slotted = routes.clamp(max=width)
         unslotted = (routes - slotted).sum()
@@ -40,14 +95,13 @@ def write_route_tallies(variant: dict, routing, row_map, num_tokens: int, width:
     else:
         slotted = ((routing >= 0) & (routing < num_experts)).sum()
         unslotted = ((routing < -1) | (routing >= num_experts)).sum()
-    row_map[table + 2 * num_experts + 1:table + 2 * num_experts + 3] = torch.stack(
-        (slotted - kept + unslotted, unslotted)).to(torch.int32)
+    row_map[layout.route_tallies:layout.end] = torch.stack((slotted - kept + unslotted, unslotted)).to(torch.int32)
 
 
 class RowIdMap(NamedTuple):
     """What permute leaves for unpermute and the backward passes: O(N*k + E) int32 words.
 
-    `row_map` is one int32 tensor, laid out the same on every target:
+    `row_map` is one int32 tensor, laid out the same on every target (offsets: RowMapLayout):
 
         dst rows        [N, W]  row of each route, -1 where it lands nowhere (no route, or dropped)
         experts         [N, W]  mask routing only: the token's experts in ascending order
@@ -79,7 +133,11 @@ class RowIdMap(NamedTuple):
 
     @property
     def is_mask(self) -> bool:
-        return self.variant.endswith("_mask")
+        return Variant.named(self.variant).mask
+
+    @property
+    def layout(self) -> RowMapLayout:
+        return RowMapLayout(Variant.named(self.variant).mask, self.num_tokens, self.width, self.num_experts)
 
     @property
     def dst_rows(self) -> torch.Tensor:
@@ -89,40 +147,38 @@ class RowIdMap(NamedTuple):
     @property
     def experts(self) -> torch.Tensor:
         """[N, W]: expert of each route slot (mask routing: compacted from the mask; see route_counts)."""
-        if not self.is_mask:
+        layout = self.layout
+        if not layout.mask:
             return self.routing
-        routes = self.num_tokens * self.width
-        return self._part(routes, routes).view(self.num_tokens, self.width)
+        return self._part(layout.experts, self.num_tokens * self.width).view(self.num_tokens, self.width)
 
     @property
     def route_counts(self) -> Optional[torch.Tensor]:
         """int32 [N]: live routes of each token (mask routing), else None (every token has W slots)."""
-        if not self.is_mask:
-            return None
-        return self._part(2 * self.num_tokens * self.width, self.num_tokens)
+        layout = self.layout
+        return self._part(layout.route_counts, self.num_tokens) if layout.mask else None
 
     @property
     def segment_offsets(self) -> torch.Tensor:
         """int32 [E + 1]: first row of each expert's segment; [E] = rows in use."""
-        return self._part(route_words(self.is_mask, self.num_tokens, self.width), self.num_experts + 1)
+        return self._part(self.layout.segment_offsets, self.num_experts + 1)
 
     @property
     def segment_counts(self) -> torch.Tensor:
         """int32 [E]: routed (non-pad) rows at the start of each segment."""
-        return self._part(route_words(self.is_mask, self.num_tokens, self.width) + self.num_experts + 1,
-                          self.num_experts)
+        return self._part(self.layout.segment_counts, self.num_experts)
 
     @property
     def dropped(self) -> torch.Tensor:
         """int32 0-d on the device: the routes permute dropped, past the row cap or without a slot.
         Read it when you want; permute never does (no host sync)."""
-        return self.row_map[route_words(self.is_mask, self.num_tokens, self.width) + 2 * self.num_experts + 1]
+        return self.row_map[self.layout.route_tallies]
 
     @property
     def unslotted(self) -> torch.Tensor:
         """int32 0-d on the device: the dropped routes that had no slot (index routing: ids outside
         [-1, E); mask routing: routes past a token's first W, the topk hint)."""
-        return self.row_map[route_words(self.is_mask, self.num_tokens, self.width) + 2 * self.num_experts + 2]
+        return self.row_map[self.layout.route_tallies + 1]
 
     def rows_by_column(self) -> torch.Tensor:
         """int64 [N, columns of the routing]: the row of route (token, column), -1 where none lands.

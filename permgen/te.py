@@ -34,9 +34,11 @@ import warnings
 
 import torch
 
-from .contract import AXES, TOKEN_DTYPE_NAMES
+from .contract import TOKEN_DTYPE_NAMES
 from .registry import get_kernel, variants
 from .results import RowIdMap
+from .triton_host import chunk_sort
+from .variant import Variant
 
 # torch dtype -> the dtype axis of the variants that move it
 _DTYPES = {getattr(torch, name): axis for axis, name in TOKEN_DTYPE_NAMES.items()}
@@ -57,12 +59,13 @@ def _te_errors(fn):
             return fn(*args, **kwargs)
         except (ValueError, TypeError) as error:
             where, sep, message = str(error).partition(": ")
-            if not sep or where not in _VARIANT_NAMES:
+            if not sep or (where not in _VARIANT_NAMES and where != name):
                 raise
             for ours, theirs in _ARGUMENT_NAMES:
                 if message.startswith(ours + " "):
                     message = theirs + message[len(ours):]
-            raise type(error)(f"{name}: {message} (variant {where})") from None
+            variant = f" (variant {where})" if where in _VARIANT_NAMES else ""
+            raise type(error)(f"{name}: {message}{variant}") from None
 
     return call
 
@@ -94,7 +97,6 @@ def _load_modules() -> dict:
 
 _MODULES = _load_modules()
 _VARIANT_NAMES = frozenset(variants())
-_VARIANT_PADS = {name: v["pad"] for name, v in variants().items()}
 
 
 def _module(dtype: str, routing: str, probs: bool, pad: int):
@@ -148,7 +150,7 @@ def _te_row_id_map(res, map_type, where):
             torch._assert_async(rim.unslotted == 0, f"{where}: routing_map holds expert ids outside [-1, E)")
         return rows.expand(rim.num_tokens + 1, -1, -1)
     rows = rim.row_map.view(-1, 2 * rim.num_experts + 1)
-    pad = _VARIANT_PADS[rim.variant]
+    pad = Variant.named(rim.variant).pad
     return rows.expand(pad, -1, -1) if pad else rows
 
 
@@ -162,7 +164,7 @@ def _permute(where, inp, routing_map, probs, num_out_tokens, map_type, pad=0):
                              f"{getattr(routing_map, 'shape', type(routing_map).__name__)}")
         cap = _rows_kept(num_out_tokens, map_type, where, routing_map.shape[0] * routing_map.shape[1])
         # TE's index maps carry no expert count: the op counts them (max id + 1) itself
-        return mod._ops.permute_counting_experts(inp, routing_map, probs, num_out_tokens=cap)
+        return mod.permute_counting_experts(inp, routing_map, probs, num_out_tokens=cap)
     return mod.permute(inp, routing_map, probs, num_out_tokens=_rows_kept(num_out_tokens, map_type, where, None))
 
 
@@ -276,47 +278,23 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
 # Chunk sort
 # ---------------------------------------------------------------------------------------------
 
-_AXES = tuple(a for a in AXES if a != "targets")  # the axes get_kernel looks a variant up by
-
-
-def _load_chunk_sort_modules() -> dict:
-    """(dtype, probs) -> a generated Triton module whose chunk sort moves that dtype (with probs: and
-    probs). Every variant has one; the first by name serves its dtype."""
-    known = variants()
-    modules = {}
-    for name in sorted(known):
-        v = known[name]
-        if "triton" in v["targets"]:
-            modules.setdefault((v["dtype"], v["probs"]), get_kernel("triton", **{a: v[a] for a in _AXES}))
-    return modules
-
-
-_CHUNK_SORT_MODULES = _load_chunk_sort_modules()
-
-
-def _chunk_sort_module(inp, with_probs: bool, where: str):
-    dtype = _dtype_axis(inp, where)
-    mod = _CHUNK_SORT_MODULES.get((dtype, with_probs))
-    if mod is None and not with_probs:  # a variant with probs sorts rows alone too
-        mod = _CHUNK_SORT_MODULES.get((dtype, True))
-    if mod is None:
-        return get_kernel("triton", dtype=dtype, routing="mask", probs=with_probs)
-    return mod
+# The chunk sort depends on no variant: the Triton target's one (permgen.triton_host.chunk_sort) moves
+# every token dtype.
+_TOKEN_DTYPES = tuple(_DTYPES)
 
 
 @_te_errors
 def moe_sort_chunks_by_index(inp, split_sizes, sorted_index):
     """Split inp's rows [N, H] into chunks of split_sizes (they sum to N) and concatenate the chunks
-    in the order of sorted_index. The generated chunk sort kernel of a variant with inp's dtype;
-    differentiable. Returns output [N, H]."""
-    return _chunk_sort_module(inp, False, "moe_sort_chunks_by_index").sort_chunks(inp, split_sizes, sorted_index)[0]
+    in the order of sorted_index; differentiable. Returns output [N, H]."""
+    return chunk_sort().sort("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, None, _TOKEN_DTYPES)[0]
 
 
 @_te_errors
 def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index):
     """moe_sort_chunks_by_index, moving probs [N] with their rows. Returns (output, permuted_probs)."""
-    return _chunk_sort_module(inp, True, "moe_sort_chunks_by_index_with_probs").sort_chunks(
-        inp, split_sizes, sorted_index, probs)
+    return chunk_sort().sort("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index, probs,
+                             _TOKEN_DTYPES)
 
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",

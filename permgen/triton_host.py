@@ -1,8 +1,9 @@
 """The Triton target's host side, written once for every variant: allocation and launches.
 
-A generated module hands its kernels to `TritonBackend`; `permgen.ops` checks arguments and adds
-autograd on top. Launch geometry (route tiles, row blocks, register caps) lives here as tuning
-numbers; what a variant specialises is in its kernels.
+A generated module hands its kernels to `TritonBackend` (a permgen.ops.Backend); `permgen.ops`
+checks arguments and adds autograd on top. Launch geometry (route tiles, row blocks, register caps)
+lives here as tuning numbers; what a variant specialises is in its kernels. The chunk sort and the
+row gather, which no variant changes, are `TritonChunkKernels` over permgen.triton_kernels.
 """
 
 import functools
@@ -14,8 +15,9 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from .contract import FP8_DTYPES, out_dtype, scale_columns, scale_dtype, scale_kind, token_dtype
-from .results import RowIdMap, route_words, row_map_words
+from .ops import ChunkSort, Grads, PermuteOutputs
+from .results import RowMapLayout
+from .variant import Variant
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
 _ROW_BYTES_PER_WARP = 512  # 16-byte vectors for each of 32 lanes per step of a row loop
@@ -23,16 +25,14 @@ _NUM_WARPS = 4
 _ROUTE_WARPS = 8
 # Mask routing visits a token's live routes a tile at a time, the power of two nearest the average
 # routes per token (rows / tokens, known on the host without a sync), at most 8 and the row map's
-# width: a tile wider than a token's routes costs registers and occupancy for rows never live (at
-# k = 2 a tile of 8 made unpermute 1.17x the copy floor instead of 1.08x); a token with more
-# routes than the tile visits them a tile at a time.
+# width: a tile wider than a token's routes costs registers and occupancy for rows never live; a
+# token with more routes than the tile visits them a tile at a time.
 _MAX_ROUTE_TILE = 8
 _PAD_ROWS_PER_PROGRAM = 16
 _TAIL_ROWS_PER_PROGRAM = 64  # rows past the last segment are zeroed by up to M / 64 programs
 _CHUNK_TABLE_BLOCK = 1024  # chunks per step of the chunk table's one program
-# The chunk sort copies 4 KiB of a row (or whole rows, if shorter) per step: on the H200 1.03x the copy
-# floor at H = 2048 and 7168 (bf16), against 1.04-1.09x for tiles of 8-32 KiB.
-_CHUNK_TILE_BYTES = 4096
+_CHUNK_TILE_BYTES = 4096  # the chunk sort copies 4 KiB of a row (or whole rows, if shorter) per step
+_GEOMETRIES = 1024  # launch geometries kept per kernel family (lru_cache)
 
 
 class TritonKernels(NamedTuple):
@@ -56,45 +56,48 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-_COMPILED = {}  # launch key (see _launch) -> (kernel, compiled kernel, launcher, handle, metadata, constexpr values)
-
-
 def _hooked(hook):
     """Whether a launch hook is installed: a function (older Triton), or a HookChain with calls (Triton
     3.6 on: the chain object is always there, empty when nothing is hooked)."""
     return bool(getattr(hook, "calls", hook))
 
 
-def _launch(kernel, programs, *args, **meta):
-    """kernel[(programs,)](*args, **meta), at a fraction of the host cost once compiled.
+def _aligned(*tensors) -> bool:
+    """Whether every tensor's data starts on 16 bytes (what Triton specialises pointers on)."""
+    pointers = 0
+    for t in tensors:
+        pointers |= t.data_ptr()
+    return pointers & 15 == 0
+
+
+class Launch:
+    """kernel[(programs,)](*args, **meta) at one launch geometry: the grid, the constexprs and the
+    values of the int arguments are fixed by the shape it was made for (the lru_caches below key
+    it by them, and by the dtypes of the tensors that may vary), so only the tensors change.
 
     Triton's generic launch binds and specialises every argument on every call, which costs more
-    host time than the launch itself. The key here holds what Triton specialises on: tensor dtypes
-    and 16-byte alignment, and for ints whether they are 1, divisible by 16 and fit in 32 bits (no
-    kernel takes None). A compiled kernel is then started through its launcher directly, unless a
-    launch hook (a profiler) is installed. Every kernel's first argument is a tensor."""
-    if not isinstance(kernel, JITFunction):  # the CPU interpreter
-        kernel[(programs,)](*args, **meta)
-        return
-    device = args[0].get_device()
-    # One comprehension, no call per argument: this runs for every launch. The kernel by id: a
-    # JITFunction hashes in Python.
-    key = (id(kernel), device, *meta.values(),
-           *[(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else (a == 1, a & 15 == 0, a >> 31 == 0)
-             for a in args])
-    entry = _COMPILED.get(key)
-    if entry is None or entry[0] is not kernel:  # an id can be reused once its kernel is gone
-        compiled = kernel[(programs,)](*args, **meta)
-        if isinstance(compiled, CompiledKernel):
-            constexprs = tuple(meta[name] for name in kernel.arg_names[len(args):])
-            _COMPILED[key] = kernel, compiled, compiled.run, compiled.function, compiled.packed_metadata, constexprs
-        return
-    _, compiled, launcher, function, packed_metadata, constexprs = entry
-    stream = driver.active.get_current_stream(device)
-    if not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
-        launcher(programs, 1, 1, stream, function, packed_metadata, None, None, None, *args, *constexprs)
-    else:
-        compiled[(programs, 1, 1)](*args, *constexprs, stream=stream)
+    host time than the launch itself. Once compiled for 16-byte aligned tensors, a call with
+    aligned tensors on the same device starts the compiled kernel through its launcher directly,
+    unless a launch hook (a profiler) is installed; any other call takes the generic launch."""
+
+    __slots__ = ("kernel", "programs", "meta", "compiled")
+
+    def __init__(self, kernel, programs, meta):
+        self.kernel, self.programs, self.meta, self.compiled = kernel, programs, meta, None
+
+    def __call__(self, device: int, aligned: bool, *args):
+        """device: the tensors' CUDA device index; aligned: _aligned of the tensors not allocated here."""
+        compiled = self.compiled
+        if compiled is not None and aligned and compiled[0] == device and not (
+                _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+            _, launcher, function, packed_metadata, constexprs = compiled
+            launcher(self.programs, 1, 1, driver.active.get_current_stream(device), function, packed_metadata,
+                     None, None, None, *args, *constexprs)
+            return
+        result = self.kernel[(self.programs,)](*args, **self.meta)
+        if aligned and compiled is None and isinstance(result, CompiledKernel):
+            constexprs = tuple(self.meta[name] for name in self.kernel.arg_names[len(args):])
+            self.compiled = device, result.run, result.function, result.packed_metadata, constexprs
 
 
 _SCRATCH = {}  # device index -> permute's routing scratch on that device's default stream
@@ -119,11 +122,9 @@ def _routing_scratch(device, words):
 
 def _register_cap(routes, scatter=False):
     """Registers per thread of the gathers (scatter=False) or scatters for a tile of `routes` rows,
-    which they hold in fp32 (80-105 registers uncapped). H200: tiles of 8 at 64, 8 programs of 4 warps
-    per SM instead of 4-6 (mask-routing unpermute backward: 1.19 -> 1.07x the copy floor; 48 made it
-    1.12x). Gathers of tiles of 2 at 40, 12 programs instead of 10 (Mixtral's mask unpermute without
-    topk: 1.099 -> 1.079x). Scatters keep 64: at 40, the small shape's index unpermute backward ran
-    5% slower and Mixtral's no faster."""
+    which they hold in fp32 (80-105 registers uncapped): tiles of 8 at 64 let 8 programs of 4 warps
+    share an SM instead of 4-6, gathers of tiles of 2 at 40 let 12 instead of 10; scatters keep 64,
+    which were slower at 40."""
     return 40 if routes <= 2 and not scatter else 64
 
 
@@ -144,8 +145,7 @@ def _row_words(t):
 
 def _quantize_row_block(hidden):
     """Columns per step of a quantising permute: a quarter of the row, from 128 (one block128 block)
-    to 2048 (H200, bf16 in: at H=7168 2048 columns ran 9% faster than 1024, at H=2048 512 columns 10%
-    faster for block128)."""
+    to 2048 (wider steps ran faster for wide rows, narrower ones for narrow rows)."""
     return max(128, min(2048, _pow2(hidden) // 4))
 
 
@@ -154,40 +154,44 @@ def _block_tokens(width):
     return max(1, 1024 // _pow2(width))
 
 
+def _geometry(method):
+    """A per-instance lru_cache of a geometry method: each shape's launches are worked out once."""
+    @functools.wraps(method)
+    def cached(self, *key):
+        cache = self.__dict__.get(method.__name__)
+        if cache is None:
+            cache = self.__dict__[method.__name__] = functools.lru_cache(maxsize=_GEOMETRIES)(
+                functools.partial(method, self))
+        return cache(*key)
+    return cached
+
+
 class TritonBackend:
-    """Allocates and launches one variant's kernels (see permgen.ops for the interface)."""
+    """Allocates and launches one variant's kernels (permgen.ops.Backend)."""
 
     target = "triton"
 
-    def __init__(self, variant: dict, kernels: TritonKernels):
-        self.variant = variant
+    def __init__(self, variant, kernels: TritonKernels):
+        self.variant = Variant.of(variant).bind_torch()
         self.kernels = kernels
-        self.name = variant["name"]
-        self.mask = variant["routing"] == "mask"
-        self.pad = variant["pad"]
-        self.fp8 = variant["dtype"] in FP8_DTYPES
-        self.quantizes = variant["quantize"] != "none"  # float8_e4m3fn rows and their scales out
-        self.has_scale = scale_kind(variant) != "none"  # permute returns scales (moved, or computed)
-        self.token_dtype = token_dtype(variant)
+        self.name = self.variant.name
         # Compiled kernels run on CUDA tensors; under TRITON_INTERPRET=1 they run on CPU tensors.
         # Decided once: torch.compile traces check_device, and cannot trace an isinstance of a kernel.
         self.device_type = "cuda" if isinstance(kernels.route, JITFunction) else "cpu"
-        # lru_cache per instance: the launch geometry of each shape is worked out once.
-        self._routing_launch = functools.lru_cache(maxsize=1024)(self._routing_geometry)
-        self._rows_launch = functools.lru_cache(maxsize=1024)(self._rows_geometry)
-        self._gather_launch = functools.lru_cache(maxsize=1024)(self._gather_geometry)
-        self._prob_grads_launch = functools.lru_cache(maxsize=1024)(self._prob_grads_geometry)
-        self._scatter_launch = functools.lru_cache(maxsize=1024)(self._scatter_geometry)
+
+    @staticmethod
+    def chunk_sort(kernels):
+        return chunk_sort(kernels)
 
     def check_device(self, tokens):
         if tokens.device.type != self.device_type:
             raise ValueError(f"{self.name}: tokens are on {tokens.device}; the triton target runs on CUDA tensors "
                              "(CPU tensors under TRITON_INTERPRET=1)")
 
-    # -- geometry --------------------------------------------------------------------------------
+    # -- geometry: one Launch per kernel and shape -------------------------------------------------
 
     def _max_route_tile(self, width, num_experts):
-        if self.mask:
+        if self.variant.mask:
             return _pow2(min(num_experts, _MAX_ROUTE_TILE))
         return _pow2(width)
 
@@ -200,61 +204,69 @@ class TritonBackend:
     def _route_tile(self, width, num_experts, num_tokens, num_rows):
         """Route slots a kernel visits per step: all k of index routing at once; for mask routing the
         tile that holds a typical token's routes (see _MAX_ROUTE_TILE), with or without a topk hint."""
-        if not self.mask:
+        if not self.variant.mask:
             return _pow2(width)
         typical = round(num_rows / num_tokens) if num_tokens else 1
         return min(_pow2(typical), self._widest_mask_tile(width, num_experts))
 
-    def _routing_geometry(self, num_tokens, width, num_experts):
+    def _routing_meta(self, num_tokens, width, num_experts):
         """(programs, scratch words, constexprs) of the routing kernel for one shape."""
         block_tokens = _block_tokens(self._max_route_tile(width, num_experts))
         # At least one routing program runs: the last one lays out the segments, even for N = 0.
         num_blocks = max(1, _cdiv(num_tokens, block_tokens))
         e_pow2 = _pow2(num_experts)
         meta = dict(K=width, E=num_experts, E_POW2=e_pow2, BLOCK_TOKENS=block_tokens)
-        if self.mask:
+        if self.variant.mask:
             meta.update(EXPERT_CHUNK=max(1, min(e_pow2, 4096 // block_tokens)))
         else:
             meta.update(BLOCK_ROUTES=_pow2(block_tokens * width), BINS=_pow2(num_experts + 2))
-        meta.update(CHUNK_BLOCKS=max(1, 8192 // e_pow2), PAD=self.pad)  # PAD 0: no padding
+        meta.update(CHUNK_BLOCKS=max(1, 8192 // e_pow2), PAD=self.variant.pad)  # PAD 0: no padding
         # ticket, block counts, mask routing's ranks, block drops (see the routing kernel)
-        scratch_words = 1 + num_blocks * (num_experts + 1) + (num_tokens * width if self.mask else 0)
+        scratch_words = 1 + num_blocks * (num_experts + 1) + (num_tokens * width if self.variant.mask else 0)
         return num_blocks, scratch_words, meta
+
+    @_geometry
+    def _routing_launch(self, num_tokens, width, num_experts, cap, routing_dtype):
+        """(Launch, scratch words, row map layout) of the routing kernel."""
+        num_blocks, scratch_words, meta = self._routing_meta(num_tokens, width, num_experts)
+        return (Launch(self.kernels.route, num_blocks, dict(meta, num_warps=_ROUTE_WARPS)), scratch_words,
+                RowMapLayout(self.variant.mask, num_tokens, width, num_experts))
 
     def _zero_programs(self, num_experts, num_rows, tail):
         """(programs, tail programs, constexprs) of the programs that zero unwritten rows: pad rows of
         each expert, then the rows past the last segment (only when num_out_tokens fixed the row count)."""
+        pad = self.variant.pad
         tail_programs = _cdiv(num_rows, _TAIL_ROWS_PER_PROGRAM) if tail else 0
-        if not self.pad:  # PAD_GROUPS 0: the kernels compile without the pad rows' programs
+        if not pad:  # PAD_GROUPS 0: the kernels compile without the pad rows' programs
             return tail_programs, tail_programs, dict(PAD_GROUPS=0, PAD_ROWS_PER_PROGRAM=0)
-        pad_groups = _cdiv(self.pad - 1, _PAD_ROWS_PER_PROGRAM)
+        pad_groups = _cdiv(pad - 1, _PAD_ROWS_PER_PROGRAM)
         return (num_experts * pad_groups + tail_programs, tail_programs,
                 dict(PAD_GROUPS=pad_groups, PAD_ROWS_PER_PROGRAM=_PAD_ROWS_PER_PROGRAM))
 
-    def _rows_geometry(self, num_tokens, hidden, width, num_experts, num_rows, capped, scale_columns_in):
-        """(programs, zero programs, tail programs, constexprs) of the permute kernel for one shape.
-        The constexprs are shared between calls: never changed by a caller."""
-        route_meta = self._routing_launch(num_tokens, width, num_experts)[2]
+    @_geometry
+    def _rows_launch(self, num_tokens, hidden, width, num_experts, num_rows, capped, scale_columns_in,
+                     routing_dtype, probs_dtype):
+        """(Launch or None, zero programs, tail programs) of the permute kernel for one shape."""
+        v = self.variant
+        num_blocks, _, route_meta = self._routing_meta(num_tokens, width, num_experts)
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=capped)
         meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts,
                     BLOCK_TOKENS=route_meta["BLOCK_TOKENS"])
-        if self.mask:
+        if v.mask:
             meta.update(MAX_ROUTES=self._widest_mask_tile(width, num_experts))
         else:
             meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
         # fp8 rows move as bytes, the same size as their dtype.
-        meta.update(BLOCK_H=_quantize_row_block(hidden) if self.quantizes else _row_block(self.token_dtype))
+        meta.update(BLOCK_H=_quantize_row_block(hidden) if v.quantizes else _row_block(v.token_dtype))
         if scale_columns_in is not None:
             meta.update(BLOCK_S=min(_pow2(scale_columns_in), 256))
-        if self.quantizes:
+        if v.quantizes:
             # The interpreter's fp8 cast does not round to even: the kernel then converts in integers.
-            meta.update(BLOCK_S=min(_pow2(scale_columns(self.variant, hidden)), 256),
-                        HARDWARE_CAST=self.device_type == "cuda")
+            meta.update(BLOCK_S=min(_pow2(v.scale_columns(hidden)), 256), HARDWARE_CAST=self.device_type == "cuda")
         meta.update(zero_meta, num_warps=_NUM_WARPS)
-        return zero_programs + num_tokens, zero_programs, tail_programs, meta
-
-    # The constexprs of the gathers, prob-grad and scatter kernels for one shape: dicts shared between
-    # calls, never changed by a caller.
+        programs = zero_programs + num_tokens
+        return (Launch(self.kernels.permute, programs, meta) if programs else None), num_blocks, zero_programs, \
+            tail_programs
 
     def _route_meta(self, width, num_experts, num_tokens, num_rows, experts, prob_grads):
         """K and ROUTES of a kernel that visits each token's route slots; E where it takes the expert
@@ -262,104 +274,109 @@ class TritonBackend:
         meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
         if experts:
             meta.update(E=num_experts)
-        if prob_grads and self.mask:
+        if prob_grads and self.variant.mask:
             meta.update(E_POW2=_pow2(num_experts))
         return meta
 
-    def _gather_geometry(self, width, num_experts, num_tokens, num_rows, hidden_block, prob_grads):
-        """The row sums' (unpermute, permute backward; prob_grads: with the prob grads)."""
-        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.mask, prob_grads)
-        meta.update(BLOCK_H=hidden_block, num_warps=_NUM_WARPS, maxnreg=_register_cap(meta["ROUTES"]))
-        return meta
+    @_geometry
+    def _gather_launch(self, kernel, width, num_experts, num_tokens, num_rows, hidden, dtypes, prob_grads):
+        """The row sums' (unpermute, permute backward; prob_grads: with the prob grads); dtypes: the
+        tensors' that may vary."""
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.variant.mask, prob_grads)
+        meta.update(BLOCK_H=_row_block(dtypes[0]), num_warps=_NUM_WARPS, maxnreg=_register_cap(meta["ROUTES"]))
+        return Launch(getattr(self.kernels, kernel), num_tokens, meta)
 
-    def _prob_grads_geometry(self, width, num_experts, num_tokens, num_rows):
+    @_geometry
+    def _prob_grads_launch(self, width, num_experts, num_tokens, num_rows, dtypes):
         """The prob grads' alone (permute backward of fp8 tokens)."""
-        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.mask, True)
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.variant.mask, True)
         meta.update(num_warps=_NUM_WARPS)
-        return meta
+        return Launch(self.kernels.route_prob_grads, num_tokens, meta)
 
-    def _scatter_geometry(self, width, num_experts, num_tokens, num_rows, hidden_block, weighted):
-        """(zero programs, tail programs, constexprs) of the scatters (unpermute backward): their first
-        programs zero every row that is not some token's route."""
+    @_geometry
+    def _scatter_launch(self, kernel, width, num_experts, num_tokens, num_rows, hidden, dtypes, weighted):
+        """(Launch or None, zero programs, tail programs) of the scatters (unpermute backward): their
+        first programs zero every row that is not some token's route."""
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
         meta = self._route_meta(width, num_experts, num_tokens, num_rows, True, weighted)
-        meta.update(BLOCK_H=hidden_block, **zero_meta, num_warps=_NUM_WARPS,
+        meta.update(BLOCK_H=_row_block(dtypes[0]), **zero_meta, num_warps=_NUM_WARPS,
                     maxnreg=_register_cap(meta["ROUTES"], scatter=True))
-        return zero_programs, tail_programs, meta
-
-    def _gather_meta(self, row_id_map, hidden_block, prob_grads=False):
-        return self._gather_launch(row_id_map.width, row_id_map.num_experts, row_id_map.num_tokens,
-                                   row_id_map.num_rows, hidden_block, prob_grads)
-
-    def row_id_map(self, row_map, routing, plan, num_rows):
-        return RowIdMap(row_map, routing, plan.num_tokens, plan.width, plan.num_experts, num_rows, self.name)
+        programs = zero_programs + num_tokens
+        return (Launch(getattr(self.kernels, kernel), programs, meta) if programs else None), zero_programs, \
+            tail_programs
 
     # -- ops ---------------------------------------------------------------------------------------
 
-    def permute(self, plan, tokens, routing, probs, scale):
+    def permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs:
         """Two launches (routing, then rows)."""
+        v = self.variant
         num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
         device = tokens.device
-        num_blocks, scratch_words, route_meta = self._routing_launch(num_tokens, width, num_experts)
-        words = route_words(self.mask, num_tokens, width)
-        row_map = torch.empty(row_map_words(self.mask, num_tokens, width, num_experts), dtype=torch.int32, device=device)
+        index = tokens.get_device()
+        aligned = _aligned(tokens, routing) and (probs is None or _aligned(probs)) and (scale is None or _aligned(scale))
+        cap = plan.num_out_tokens
+        if v.mask and routing.dtype == torch.bool:
+            routing = routing.view(torch.uint8)  # bools are loaded as bytes
+        route, scratch_words, layout = self._routing_launch(num_tokens, width, num_experts, cap, routing.dtype)
+        row_map = torch.empty(layout.words, dtype=torch.int32, device=device)
         tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=device)
         scratch = _routing_scratch(device, scratch_words)
-        if self.mask and routing.dtype == torch.bool:
-            routing = routing.view(torch.uint8)  # bools are loaded as bytes
-        cap = plan.num_out_tokens
-        _launch(self.kernels.route, num_blocks, routing, row_map, tokens_per_expert, scratch,
-                num_tokens, num_blocks, _NO_CAP if cap is None else cap, **route_meta, num_warps=_ROUTE_WARPS)
+        num_blocks = route.programs
+        route(index, aligned, routing, row_map, tokens_per_expert, scratch, num_tokens, num_blocks,
+              _NO_CAP if cap is None else cap)
         # Without a cap the row count is data-dependent: permute's one host sync (rows in use = offsets[E]).
-        num_rows = int(row_map[words + num_experts]) if cap is None else cap
+        num_rows = int(row_map[layout.segment_offsets + num_experts]) if cap is None else cap
 
-        if self.fp8:
-            # fp8 rows move as bytes: Triton's fp8 types need a recent GPU even for a plain copy.
+        if v.is_fp8 or v.quantizes:
+            # fp8 rows move as bytes (Triton's fp8 types need a recent GPU even for a plain copy);
+            # quantising variants write fp8 bytes
             out = torch.empty((num_rows, hidden), dtype=torch.uint8, device=device)
-            tokens = tokens.view(torch.uint8)
-        elif self.quantizes:
-            out = torch.empty((num_rows, hidden), dtype=torch.uint8, device=device)  # written as fp8 bytes
-            if tokens.dtype == torch.bfloat16:
+            if v.is_fp8:
+                tokens = tokens.view(torch.uint8)
+            elif tokens.dtype == torch.bfloat16:
                 tokens = tokens.view(torch.int16)  # widened to fp32 from the bits
         else:
             out = torch.empty((num_rows, hidden), dtype=tokens.dtype, device=device)
         out_probs = None if probs is None else torch.empty(num_rows, dtype=probs.dtype, device=device)
         out_scale = None  # the scales moved with the rows (fp8 variants), or computed (quantising variants)
-        if self.has_scale:
-            out_scale = torch.empty((num_rows, scale_columns(self.variant, hidden)), dtype=scale_dtype(self.variant),
-                                    device=device)
-        scale_columns_in = None if scale is None else scale.shape[1]
-        programs, zero_programs, tail_programs, meta = self._rows_launch(
-            num_tokens, hidden, width, num_experts, num_rows, cap is not None, scale_columns_in)
-        if programs:
-            args = [tokens] + ([] if self.mask else [routing]) + [row_map, scratch, out]
+        if v.makes_scale:
+            out_scale = torch.empty((num_rows, v.scale_columns(hidden)), dtype=v.scale_dtype, device=device)
+        rows, _, zero_programs, tail_programs = self._rows_launch(
+            num_tokens, hidden, width, num_experts, num_rows, cap is not None, None if scale is None else scale.shape[1],
+            routing.dtype, None if probs is None else probs.dtype)
+        if rows is not None:
+            args = [tokens] + ([] if v.mask else [routing]) + [row_map, scratch, out]
             if probs is not None:
                 args += [probs, out_probs]
             if scale is not None:
                 args += [scale, out_scale, scale.shape[1]]
-            if self.quantizes:
+            if v.quantizes:
                 args += [out_scale, out_scale.shape[1]]
-            _launch(self.kernels.permute, programs, *args, num_tokens, num_rows, hidden, num_blocks, zero_programs,
-                    tail_programs, **meta)
-        if self.fp8 or self.quantizes:
-            out = out.view(out_dtype(self.variant))
-        return out, out_probs, out_scale, tokens_per_expert, row_map, num_rows
+            rows(index, aligned, *args, num_tokens, num_rows, hidden, num_blocks, zero_programs, tail_programs)
+        if v.is_fp8 or v.quantizes:
+            out = out.view(v.out_dtype)
+        return PermuteOutputs(out, out_probs, out_scale, tokens_per_expert, row_map, num_rows)
 
     def unpermute(self, row_id_map, permuted, merging_probs):
-        num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
+        num_tokens, hidden, row_map = row_id_map.num_tokens, permuted.shape[1], row_id_map.row_map
         out = torch.empty((num_tokens, hidden), dtype=permuted.dtype, device=permuted.device)
         if num_tokens and hidden:  # the gathers assume a column
-            meta = self._gather_meta(row_id_map, _row_block(permuted))
+            index = permuted.get_device()
             if merging_probs is not None:
-                _launch(self.kernels.unpermute, num_tokens, permuted, row_id_map.row_map, merging_probs, out,
-                        num_tokens, row_id_map.num_rows, hidden, **meta)
+                launch = self._gather_launch("unpermute", row_id_map.width, row_id_map.num_experts, num_tokens,
+                                             row_id_map.num_rows, hidden, (permuted.dtype, merging_probs.dtype), False)
+                launch(index, _aligned(permuted, row_map, merging_probs), permuted, row_map, merging_probs, out,
+                       num_tokens, row_id_map.num_rows, hidden)
             else:
-                _launch(self.kernels.sum_routes, num_tokens, permuted, row_id_map.row_map, out, num_tokens,
-                        row_id_map.num_rows, hidden, **meta)
+                launch = self._gather_launch("sum_routes", row_id_map.width, row_id_map.num_experts, num_tokens,
+                                             row_id_map.num_rows, hidden, (permuted.dtype,), False)
+                launch(index, _aligned(permuted, row_map), permuted, row_map, out, num_tokens, row_id_map.num_rows,
+                       hidden)
         return out
 
-    def permute_backward(self, row_id_map, grad_out, grad_out_probs, probs_meta):
-        num_tokens = row_id_map.num_tokens
+    def permute_backward(self, row_id_map, grad_out, grad_out_probs, probs_meta) -> Grads:
+        num_tokens, num_rows, row_map = row_id_map.num_tokens, row_id_map.num_rows, row_id_map.row_map
+        sizes = (row_id_map.width, row_id_map.num_experts, num_tokens, num_rows)
         grad_tokens = grad_probs = None
         if grad_out is not None:
             grad_out = grad_out.contiguous()
@@ -368,57 +385,88 @@ class TritonBackend:
             shape, dtype = probs_meta
             grad_probs = torch.empty(shape, dtype=dtype, device=grad_out_probs.device)
             grad_out_probs = grad_out_probs.contiguous()
+            index = grad_out_probs.get_device()
             if num_tokens and grad_out is not None and grad_out.shape[1]:
                 # One launch for both: the prob grads ride along with the row sums (which assume a column).
-                _launch(self.kernels.permute_backward, num_tokens, grad_out, row_id_map.row_map, grad_out_probs,
-                        grad_probs, grad_tokens, num_tokens, row_id_map.num_rows, grad_out.shape[1],
-                        **self._gather_meta(row_id_map, _row_block(grad_out), prob_grads=True))
+                hidden = grad_out.shape[1]
+                launch = self._gather_launch("permute_backward", *sizes, hidden,
+                                             (grad_out.dtype, grad_out_probs.dtype, dtype), True)
+                launch(index, _aligned(grad_out, row_map, grad_out_probs), grad_out, row_map, grad_out_probs,
+                       grad_probs, grad_tokens, num_tokens, num_rows, hidden)
             elif num_tokens:
-                meta = self._prob_grads_launch(row_id_map.width, row_id_map.num_experts, num_tokens,
-                                               row_id_map.num_rows)
-                _launch(self.kernels.route_prob_grads, num_tokens, row_id_map.row_map, grad_out_probs, grad_probs,
-                        num_tokens, row_id_map.num_rows, **meta)
+                launch = self._prob_grads_launch(*sizes, (grad_out_probs.dtype, dtype))
+                launch(index, _aligned(row_map, grad_out_probs), row_map, grad_out_probs, grad_probs, num_tokens,
+                       num_rows)
         elif grad_out is not None and num_tokens and grad_out.shape[1]:
-            _launch(self.kernels.sum_routes, num_tokens, grad_out, row_id_map.row_map, grad_tokens, num_tokens,
-                    row_id_map.num_rows, grad_out.shape[1], **self._gather_meta(row_id_map, _row_block(grad_out)))
-        return grad_tokens, grad_probs
+            hidden = grad_out.shape[1]
+            launch = self._gather_launch("sum_routes", *sizes, hidden, (grad_out.dtype,), False)
+            launch(grad_out.get_device(), _aligned(grad_out, row_map), grad_out, row_map, grad_tokens, num_tokens,
+                   num_rows, hidden)
+        return Grads(grad_tokens, grad_probs)
 
-    def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs):
-        num_tokens, num_rows, num_experts = row_id_map.num_tokens, row_id_map.num_rows, row_id_map.num_experts
+    def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs) -> Grads:
+        num_tokens, num_rows, row_map = row_id_map.num_tokens, row_id_map.num_rows, row_id_map.row_map
         hidden = grad_out.shape[1]
         grad_permuted = torch.empty((num_rows, hidden), dtype=grad_out.dtype, device=grad_out.device)
-        zero_programs, tail_programs, meta = self._scatter_launch(
-            row_id_map.width, num_experts, num_tokens, num_rows, _row_block(grad_out), merging_probs is not None)
-        programs = zero_programs + num_tokens
-        sizes = (num_tokens, num_rows, hidden, zero_programs, tail_programs)
+        sizes = (row_id_map.width, row_id_map.num_experts, num_tokens, num_rows, hidden)
+        index = grad_out.get_device()
         if merging_probs is not None:
             grad_probs = torch.empty(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device)
-            if programs:
-                _launch(self.kernels.unpermute_backward, programs, grad_out, row_id_map.row_map, merging_probs,
-                        permuted, grad_probs, grad_permuted, *sizes, **meta)
-            return grad_permuted, grad_probs
-        if programs:
-            _launch(self.kernels.scatter_routes, programs, grad_out, row_id_map.row_map, grad_permuted, *sizes, **meta)
-        return grad_permuted, None
+            launch, zero_programs, tail_programs = self._scatter_launch(
+                "unpermute_backward", *sizes, (grad_out.dtype, merging_probs.dtype, permuted.dtype), True)
+            if launch is not None:
+                launch(index, _aligned(grad_out, row_map, merging_probs, permuted), grad_out, row_map, merging_probs,
+                       permuted, grad_probs, grad_permuted, num_tokens, num_rows, hidden, zero_programs, tail_programs)
+            return Grads(grad_permuted, grad_probs)
+        launch, zero_programs, tail_programs = self._scatter_launch("scatter_routes", *sizes, (grad_out.dtype,), False)
+        if launch is not None:
+            launch(index, _aligned(grad_out, row_map), grad_out, row_map, grad_permuted, num_tokens, num_rows, hidden,
+                   zero_programs, tail_programs)
+        return Grads(grad_permuted, None)
 
-    # -- chunk sort (bound by the module after its chunk sort kernels: Ops.bind_sort_chunks) --------
 
-    def bind_sort_chunks(self, table_kernel, gather_kernel, sort_kernel, sort_probs_kernel=None):
-        self.chunk_table_kernel, self.gather_rows_kernel = table_kernel, gather_kernel
-        self.sort_chunks_kernels = (sort_kernel, sort_probs_kernel)
+class TritonChunkKernels:
+    """The chunk sort and the row gather, for every dtype (permgen.ops.ChunkKernels): kernels that
+    depend on no variant (permgen.triton_kernels, or a vendored file's copies)."""
+
+    target = "triton"
+
+    def __init__(self, table_kernel, gather_kernel, sort_kernel, sort_probs_kernel):
+        self.table_kernel, self.gather_kernel = table_kernel, gather_kernel
+        self.sort_kernels = (sort_kernel, sort_probs_kernel)
+        self.device_type = "cuda" if isinstance(table_kernel, JITFunction) else "cpu"
+
+    def check_device(self, tokens):
+        if tokens.device.type != self.device_type:
+            raise ValueError(f"tokens are on {tokens.device}; the triton target runs on CUDA tensors "
+                             "(CPU tensors under TRITON_INTERPRET=1)")
+
+    @functools.lru_cache(maxsize=_GEOMETRIES)
+    def _table_launch(self, num_chunks, dtypes):
+        return Launch(self.table_kernel, 1, dict(BLOCK_C=min(_pow2(num_chunks), _CHUNK_TABLE_BLOCK),
+                                                 num_warps=_NUM_WARPS))
 
     def chunk_table(self, split_sizes, sorted_idxs):
         """int32 [4, C + 1]: where each chunk starts, in the input and in the output (layout:
         permgen.ops.chunk_table), computed by one program on the device."""
         num_chunks = split_sizes.shape[0]
         table = torch.empty((4, num_chunks + 1), dtype=torch.int32, device=split_sizes.device)
-        _launch(self.chunk_table_kernel, 1, split_sizes, sorted_idxs, table, num_chunks,
-                BLOCK_C=min(_pow2(num_chunks), _CHUNK_TABLE_BLOCK), num_warps=_NUM_WARPS)
+        launch = self._table_launch(num_chunks, (split_sizes.dtype, sorted_idxs.dtype))
+        launch(split_sizes.get_device(), _aligned(split_sizes, sorted_idxs), split_sizes, sorted_idxs, table,
+               num_chunks)
         return table
+
+    @functools.lru_cache(maxsize=_GEOMETRIES)
+    def _sort_launch(self, num_rows, hidden, num_chunks, dtypes):
+        word_bytes = dtypes[0].itemsize
+        block_h = min(_pow2(hidden), _CHUNK_TILE_BYTES // word_bytes)
+        meta = dict(SEARCH_STEPS=num_chunks.bit_length(), BLOCK_H=block_h, num_warps=_NUM_WARPS,
+                    BLOCK_ROWS=max(1, _CHUNK_TILE_BYTES // (block_h * word_bytes)))
+        return Launch(self.sort_kernels[len(dtypes) > 1], _cdiv(num_rows, meta["BLOCK_ROWS"]), meta)
 
     def sort_chunks(self, table, inverse, tokens, probs):
         """The chunk sort of tokens [N, H] (and probs [N]) by a chunk table; inverse: the table's
-        other half, which undoes the sort (the backward pass)."""
+        other half, which undoes the sort (the backward pass). Returns (out, out_probs | None)."""
         starts, sources = table[2:] if inverse else table[:2]
         num_chunks = table.shape[1] - 1
         moved = _row_words(tokens)
@@ -426,16 +474,15 @@ class TritonBackend:
         out = torch.empty_like(moved)
         out_probs = None if probs is None else torch.empty_like(probs)
         if num_rows:
-            block_h = min(_pow2(hidden), _CHUNK_TILE_BYTES // moved.element_size())
-            meta = dict(SEARCH_STEPS=num_chunks.bit_length(), BLOCK_H=block_h, num_warps=_NUM_WARPS,
-                        BLOCK_ROWS=max(1, _CHUNK_TILE_BYTES // (block_h * moved.element_size())))
-            programs = _cdiv(num_rows, meta["BLOCK_ROWS"])
-            sort_kernel, sort_probs_kernel = self.sort_chunks_kernels
+            index = tokens.get_device()
             if probs is None:
-                _launch(sort_kernel, programs, moved, starts, sources, out, num_rows, hidden, num_chunks, **meta)
+                launch = self._sort_launch(num_rows, hidden, num_chunks, (moved.dtype,))
+                launch(index, _aligned(moved, starts, sources), moved, starts, sources, out, num_rows, hidden,
+                       num_chunks)
             else:
-                _launch(sort_probs_kernel, programs, moved, probs, starts, sources, out, out_probs, num_rows, hidden,
-                        num_chunks, **meta)
+                launch = self._sort_launch(num_rows, hidden, num_chunks, (moved.dtype, probs.dtype))
+                launch(index, _aligned(moved, probs, starts, sources), moved, probs, starts, sources, out, out_probs,
+                       num_rows, hidden, num_chunks)
         return out.view(tokens.dtype), out_probs
 
     def gather_rows(self, rows, src):
@@ -443,6 +490,25 @@ class TritonBackend:
         regrouping: rows may repeat or skip source rows)."""
         out = torch.empty((rows.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
         if rows.shape[0]:
-            _launch(self.gather_rows_kernel, rows.shape[0], src, rows, out, src.shape[1], BLOCK_H=_row_block(src),
-                    num_warps=_NUM_WARPS)
+            launch = self._gather_launch(rows.shape[0], src.shape[1], (src.dtype, rows.dtype))
+            launch(src.get_device(), _aligned(src, rows), src, rows, out, src.shape[1])
         return out
+
+    @functools.lru_cache(maxsize=_GEOMETRIES)
+    def _gather_launch(self, num_rows, hidden, dtypes):
+        return Launch(self.gather_kernel, num_rows, dict(BLOCK_H=_row_block(dtypes[0]), num_warps=_NUM_WARPS))
+
+
+_CHUNK_SORTS = {}  # the chunk sort kernels -> their ChunkSort (one per set of kernels: ops are registered once)
+
+
+def chunk_sort(kernels=None) -> ChunkSort:
+    """The Triton target's chunk sort over these kernels (table, gather, sort, sort with probs), by
+    default permgen.triton_kernels'."""
+    if kernels is None:
+        from . import triton_kernels as k
+        kernels = (k.chunk_table_kernel, k.gather_rows_kernel, k.sort_chunks_kernel, k.sort_chunks_probs_kernel)
+    found = _CHUNK_SORTS.get(kernels)
+    if found is None:
+        found = _CHUNK_SORTS[kernels] = ChunkSort(TritonChunkKernels(*kernels))
+    return found

@@ -131,7 +131,8 @@ def test_chunk_table_kernel_matches_torch(num_chunks, request, poisoned_empty):
     device = device_of("triton")
     want = permgen.ops.chunk_table(sizes, order)
     assert want.shape == (4, num_chunks + 1)
-    assert_bits_equal(mod._ops.backend.chunk_table(sizes.to(device), order.to(device)).cpu(), want, "chunk table")
+    assert_bits_equal(mod._ops.chunk_sort.kernels.chunk_table(sizes.to(device), order.to(device)).cpu(), want,
+                      "chunk table")
 
 
 @pytest.mark.parametrize("target", ["triton", "nki"])
@@ -147,7 +148,7 @@ def test_sort_chunks_unchecked_sizes(target, sizes, request, poisoned_empty):
     order = torch.arange(len(sizes)).flip(0)
     tokens = make_tokens(mod.VARIANT, num_rows, 16, g).to(device)
     probs = torch.rand(num_rows, generator=g).to(device)
-    backend = mod._ops.backend
+    backend = mod._ops.chunk_sort.kernels
     table = backend.chunk_table(split_sizes.to(device), order.to(device))
     out, out_probs = backend.sort_chunks(table, False, tokens, probs)
     starts = [sum(max(x, 0) for x in sizes[:i]) for i in range(len(sizes))]

@@ -69,7 +69,7 @@ def leaves(mod, request):
     def build():
         g = generator_for(request)
         tokens, routing, probs, scale = make_inputs(v, CASE, DEVICE, g)
-        cdt = mod._ops.combine_dtype
+        cdt = mod._ops.variant.combine_dtype
         weight = (random_like((CASE.H, CASE.H), cdt, DEVICE, g) / CASE.H ** 0.5).requires_grad_()
         if not rows_are_fp8(v):
             tokens.requires_grad_()
@@ -185,7 +185,7 @@ def op_samples(mod, g, num_out_tokens):
     res = mod.permute(tokens, routing, probs, scale, num_experts=case.E, num_out_tokens=num_out_tokens, **hint)
     rim = res.row_id_map
     rows, sizes = rim.num_rows, (rim.num_tokens, rim.width, rim.num_experts)
-    cdt = ops.combine_dtype
+    cdt = ops.variant.combine_dtype
     permuted = random_like((rows, case.H), cdt, DEVICE, g)
     grad_out = random_like((case.N, case.H), cdt, DEVICE, g)
     grad_rows = random_like((rows, case.H), cdt, DEVICE, g)
@@ -249,16 +249,20 @@ def check_ops(mod, samples):
             # The schema and AOT checks reduce fp8 tensors (sum, mul), which the CPU has no fp8 kernels
             # for; test_compiled_layer_matches_eager compiles these variants' permute instead.
             utils = ("test_autograd_registration", "test_faketensor")
-        torch.library.opcheck(mod._ops.custom_ops[op], args, test_utils=utils)
+        owner = mod._ops.chunk_sort if op in ("chunk_table", "sort_chunks", "sort_chunks_probs") else mod._ops
+        torch.library.opcheck(owner.custom_ops[op], args, test_utils=utils)
 
 
 def test_every_op_is_registered_in_the_permgen_namespace():
     for name in TRITON_VARIANTS:
         ops = load("triton", name)._ops
-        want = {"permute", "unpermute", "permute_backward", "unpermute_backward", "chunk_table", "sort_chunks"}
+        want = {"permute", "unpermute", "permute_backward", "unpermute_backward"}
         if permgen.VARIANTS[name]["probs"]:
-            want |= {"permute_backward_probs", "unpermute_backward_probs", "sort_chunks_probs"}
+            want |= {"permute_backward_probs", "unpermute_backward_probs"}
         assert set(ops.op) == want
+        # the chunk sort depends on no variant: one set of ops for the target
+        assert {op: o.name() for op, o in ops.chunk_sort.op.items()} == {
+            op: f"permgen::triton_{op}" for op in ("chunk_table", "sort_chunks", "sort_chunks_probs")}
         for op, overload in ops.op.items():
             assert overload.name() == f"permgen::{ops.prefix}_{op}"
             assert ops.prefix.startswith(f"triton_{name}")

@@ -46,6 +46,7 @@ def record_launches(module, jit_function_class):
     jit_function_class.run = record
     # Launches are recorded, never run: CPU tensors stand in for CUDA ones.
     module._ops.backend.check_device = lambda tokens: None
+    module._ops.chunk_sort.kernels.check_device = lambda tokens: None
     v = module.VARIANT
     case = Case("aot", N=8, H=300, E=6, k=2)
     tokens, routing, probs, scale = make_inputs(v, case, "cpu", torch.Generator().manual_seed(0))
@@ -68,7 +69,7 @@ def record_launches(module, jit_function_class):
         torch.autograd.grad(only_probs.probs, probs, torch.ones_like(only_probs.probs))
     for chunk_probs in ([None, torch.rand(case.N)] if probs is not None else [None]):
         module.sort_chunks(tokens.detach(), torch.tensor([3, 5]), torch.tensor([1, 0]), chunk_probs)
-    module._ops.backend.gather_rows(torch.tensor([2, 0, 7], dtype=torch.int32), tokens.detach().view(torch.uint8))  # as permgen.ep
+    module._ops.chunk_sort.kernels.gather_rows(torch.tensor([2, 0, 7], dtype=torch.int32), tokens.detach().view(torch.uint8))  # as permgen.ep
     permuted = torch.zeros(20, case.H, dtype=combine_dtype(v), requires_grad=True)
     for merging in ([None, torch.rand(probs.shape, requires_grad=True)] if probs is not None else [None]):
         out = module.unpermute(permuted, res.row_id_map, merging)
