@@ -5,8 +5,10 @@ The generated modules (permgen.generated.nki.<variant>) hold the kernels a varia
 the row map's layout, the routes of a token tile and the expert segments, the walk over a token
 tile's route slots, the row gathers and scatters, and the chunk sort.
 
-Tiles put one token (or permuted row) on each partition: P of them per tile, H_TILE hidden columns
-per SBUF tile. Every size that shapes a kernel is a static Python int.
+Row order is expert-major and, within an expert, by ascending (token, slot); permute writes the row
+map of permgen.results.RowIdMap (its layout below, in one place). Tiles put one token (or permuted
+row) on each partition: P of them per tile, H_TILE hidden columns per SBUF tile. Every size that
+shapes a kernel is a static Python int: a kernel compiles once per shape and row count.
 
 LNC: permgen.nki_host launches every kernel at the LNC the environment declares (2 by default on
 Trn2 and Trn3). Core 0 does the work; it is not split between the cores. Outputs live in shared HBM,
@@ -37,7 +39,7 @@ __all__ = [
     "P", "H_TILE", "core", "idle", "store", "filled", "expert_columns",
     "experts_at", "route_counts_at", "segments_at", "row_map_words",
     "mask_token_routes", "index_token_routes", "expert_segments", "write_expert_counts", "store_segment_table",
-    "no_token_rows", "rank_tiles", "first_rows", "mask_write_routes", "index_write_routes", "gather_token_rows",
+    "no_token_rows", "route_tokens", "mask_write_routes", "index_write_routes", "gather_token_rows",
     "mask_for_each_slot", "index_for_each_slot", "load_probs",
     "mask_slot_prob", "index_slot_prob", "mask_store_slot_value", "index_store_slot_value",
     "gather_sum", "gather_prob_grads", "scatter_rows", "scatter_route_grads",
@@ -285,15 +287,15 @@ def no_token_rows(row_token, out_probs=None):
             store(dst=out_probs.ap([[1, rows], [1, 1]], offset=r0), src=no_prob[0:rows, :])
 
 
-def rank_tiles():
-    """(strictly_before, ones), the [P, P] fp32 tiles first_rows takes: strictly_before[q, p] = 1 where q < p."""
+def _rank_tiles():
+    """(strictly_before, ones), the [P, P] fp32 tiles _first_rows takes: strictly_before[q, p] = 1 where q < p."""
     strictly_before = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.iota(strictly_before, pattern=[[1, P]], offset=0, channel_multiplier=-1)
     nisa.tensor_scalar(dst=strictly_before, data=strictly_before, op0=nl.greater, operand0=0.0)
     return strictly_before, filled((P, P), 1.0)
 
 
-def first_rows(counts, next_row, strictly_before, ones, rows):
+def _first_rows(counts, next_row, strictly_before, ones, rows):
     """first_row [P, E] fp32: the row of each token's first route to each expert, given next_row[:, e], the row
     of expert e's next route, which moves past the tile's routes.
 
@@ -415,6 +417,30 @@ def index_write_routes(row_map, t0, rows, num_tokens, width, num_rows, counts, o
     for j in nl.static_range(width):
         _scatter_route(dst[0:rows, j:j + 1], j, rows, *scatter_args)
 
+
+def route_tokens(row_map, row_token, routing, seg_start, width, num_rows, token_routes, columns, write_routes,
+                 *write_args, out_probs=None, probs=None, slot_prob=None, expert_ids=None):
+    """Give every route its row, a token tile at a time: a tile's routes to expert e follow the routes of the
+    tiles before it, from seg_start[e] on. write_routes(row_map, t0, rows, num_tokens, width, num_rows, counts,
+    routes, first_row, *write_args, *scatter_args), the routing kind's (token_routes and columns its too), writes
+    them to the row map and row_token (and their probs to out_probs: slot_prob of probs with expert_ids)."""
+    num_tokens = routing.shape[0]
+    num_experts = seg_start.shape[1]
+    strictly_before, ones = _rank_tiles()
+    # next_row[:, e] = row of expert e's next route, carried from tile to tile.
+    next_row = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=next_row, src=seg_start)
+    for t0 in nl.static_range(0, num_tokens, P):
+        rows = min(P, num_tokens - t0)
+        counts, routes = token_routes(routing, t0, rows, width, columns)
+        first_row = _first_rows(counts, next_row, strictly_before, ones, rows)
+        token_ids = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(token_ids, pattern=[[0, 1]], offset=t0, channel_multiplier=1)
+        scatter_args = (row_token, token_ids)
+        if out_probs is not None:
+            scatter_args += (out_probs, load_probs(probs, t0, rows), slot_prob, expert_ids)
+        write_routes(row_map, t0, rows, num_tokens, width, num_rows, counts, routes, first_row, *write_args,
+                     *scatter_args)
 
 def gather_token_rows(out_tokens, tokens, row_token, quantize_tile=None, out_scale=None, scale=None):
     """Permuted row r = tokens[row_token[r]]; rows at -1 (pad rows, unused capacity) keep the tile's zeros.
