@@ -39,6 +39,7 @@ from cases import (
     variants_for,
 )
 from permgen import nki_host, nki_kernels
+from permgen.results import RowMapLayout
 from reference import plan_routes
 
 NKI_VARIANTS = variants_for("nki")
@@ -302,6 +303,18 @@ def test_permute_kernel_writes_the_row_map_layout(name, request):
     assert np.array_equal(seg_counts, np.bincount(routes.expert.numpy(), minlength=e))
     assert np.array_equal(tokens_per_expert.reshape(-1), routes.tokens_per_expert.numpy())
     assert out.shape == (routes.num_rows, h) and out_probs.shape == (routes.num_rows,)
+
+
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "index"])
+def test_kernel_offsets_are_the_row_map_layout(mask):
+    """The offsets every NKI kernel takes (permgen.nki_kernels) are permgen.results.RowMapLayout's."""
+    for n, w, e in ((1, 1, 1), (37, 3, 7), (140, 8, 64), (5, 16, 16)):
+        layout = RowMapLayout(mask, n, w, e)
+        assert nki_kernels.segments_at(n, w, mask) == layout.segment_offsets
+        assert nki_kernels.row_map_words(n, w, e, mask) == layout.route_tallies  # the kernel writes up to the tallies
+        if mask:
+            assert (nki_kernels.experts_at(n, w), nki_kernels.route_counts_at(n, w)) == (layout.experts,
+                                                                                         layout.route_counts)
 
 
 def test_sum_routes_kernel_directly():
