@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -514,13 +517,140 @@ def plot(results, path, gpu, broadcast_ratio=None):
     fig.savefig(path, dpi=110)
 
 
+# ---- host cost: what a call costs the host, beside the one-op floors of the same process --------
+
+HOST_SHAPE = (1024, 1024, 16, 2)  # N, H, E, k: small enough that the host, not the GPU, sets the time
+HOST_VARIANT = "probs_bf16_index"
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _per_call_us(fn, calls, blocks=5):
+    """host_us on any device: the median of blocks of calls after a warm-up, synchronised around each block."""
+    for _ in range(min(50, calls)):
+        fn()
+    times = []
+    for _ in range(blocks):
+        _sync()
+        start = time.perf_counter()
+        for _ in range(max(1, calls // blocks)):
+            fn()
+        _sync()
+        times.append((time.perf_counter() - start) / max(1, calls // blocks) * 1e6)
+    return sorted(times)[blocks // 2]
+
+
+def _fresh_process_s(code):
+    """Seconds a fresh interpreter takes to run `code` (which prints them), from the repository root."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return float(proc.stdout.split()[-1])
+
+
+_FIRST_CALL = """
+import time
+start = time.perf_counter()
+import torch, permgen
+device = "cuda" if torch.cuda.is_available() else "cpu"
+N, H, E, k = {shape}
+tokens = torch.randn(N, H, device=device).to(torch.bfloat16)
+ids = torch.rand(N, E, device=device).topk(k, dim=1).indices.to(torch.int32)
+probs = torch.rand(N, k, device=device)
+ready = time.perf_counter()
+out, row_id_map = permgen.moe_permute(tokens, ids, num_out_tokens=N * k, map_type="index")
+permgen.moe_unpermute(out, row_id_map, merging_probs=probs, map_type="index")
+if device == "cuda":
+    torch.cuda.synchronize()
+print(time.perf_counter() - ready)
+"""
+
+
+def host_cost(shape=HOST_SHAPE, calls=1000):
+    """Host time per call of the small round trip (permute + unpermute of HOST_VARIANT, called as
+    users call it: no hints) eagerly and under torch.compile(mode="reduce-overhead"), each beside
+    the one-op floor of the same process; TE's index-map calls (moe_permute + moe_unpermute), which
+    read the expert count back (one host sync); `import permgen` and the first TE call in a fresh
+    process (the kernels then load from Triton's cache, or compile)."""
+    N, H, E, k = shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mod = load(HOST_VARIANT)
+    g = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randn(N, H, device=device, generator=g).to(torch.bfloat16)
+    ids = torch.rand(N, E, device=device, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    probs = torch.rand(N, k, device=device, generator=g)
+    permuted = torch.randn(N * k, H, device=device, generator=g).to(torch.bfloat16)
+
+    def round_trip(tokens, ids, probs, permuted):
+        res = mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=N * k)
+        return mod.unpermute(permuted, res.row_id_map, probs)
+
+    def te_round_trip(tokens, ids, probs, permuted):
+        out, row_id_map = permgen.moe_permute(tokens, ids, num_out_tokens=N * k, map_type="index")
+        return permgen.moe_unpermute(permuted, row_id_map, merging_probs=probs, map_type="index")
+
+    def one_op(tokens, ids, probs, permuted):
+        return permuted[:N] * 2 + tokens
+
+    args = (tokens, ids, probs, permuted)
+    rows = {}
+    rows["eager one-op floor"] = _per_call_us(lambda: one_op(*args), calls)
+    rows["eager round trip"] = _per_call_us(lambda: round_trip(*args), calls)
+    rows["eager TE round trip (reads E back)"] = _per_call_us(lambda: te_round_trip(*args), calls)
+    grads = (tokens.clone().requires_grad_(), ids, probs.clone().requires_grad_(), permuted.clone().requires_grad_())
+    rows["eager round trip, autograd"] = _per_call_us(lambda: round_trip(*grads), calls)
+    # CUDA graphs (what reduce-overhead replays) exist only on GPUs; on the CPU the plain compile runs.
+    mode = "reduce-overhead" if device == "cuda" else None
+    compiled_one_op = torch.compile(one_op, mode=mode, fullgraph=True)
+    compiled = torch.compile(round_trip, mode=mode, fullgraph=True)
+    rows["compiled one-op floor"] = _per_call_us(lambda: compiled_one_op(*args), calls)
+    rows["compiled round trip"] = _per_call_us(lambda: compiled(*args), calls)
+    result = {name: round(us, 1) for name, us in rows.items()}
+    result.update(
+        eager_ratio=round(rows["eager round trip"] / rows["eager one-op floor"], 2),
+        compiled_ratio=round(rows["compiled round trip"] / rows["compiled one-op floor"], 2),
+        import_permgen_ms=round(1e3 * _fresh_process_s(
+            "import time; t = time.perf_counter(); import permgen; print(time.perf_counter() - t)"), 1),
+        first_te_call_ms=round(1e3 * _fresh_process_s(_FIRST_CALL.format(shape=tuple(shape))), 1),
+        shape=dict(N=N, H=H, E=E, k=k), variant=HOST_VARIANT, device=device, compile_mode=mode or "default")
+    return result
+
+
+def print_host_cost(host):
+    print(f"host cost per call, {host['variant']} N={host['shape']['N']} H={host['shape']['H']} "
+          f"E={host['shape']['E']} k={host['shape']['k']} on {host['device']}:")
+    for name in ("eager one-op floor", "eager round trip", "eager TE round trip (reads E back)",
+                 "eager round trip, autograd", "compiled one-op floor", "compiled round trip"):
+        print(f"  {name:<40} {host[name]:9.1f} us")
+    print(f"  {'eager round trip / one op':<40} {host['eager_ratio']:9.2f} x")
+    print(f"  {'compiled round trip / one op':<40} {host['compiled_ratio']:9.2f} x  ({host['compile_mode']})")
+    print(f"  {'import permgen (fresh process)':<40} {host['import_permgen_ms']:9.1f} ms")
+    print(f"  {'first TE round trip (fresh process)':<40} {host['first_te_call_ms']:9.1f} ms", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     parser.add_argument("--variants", nargs="*", default=VARIANTS)
     parser.add_argument("--plot-only", action="store_true", help="redraw bench.png from --out/bench.json")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host cost (also on the CPU, under TRITON_INTERPRET=1); updates --out/bench.json's "
+                             "'host' entry")
+    parser.add_argument("--host-shape", nargs=4, type=int, default=HOST_SHAPE, metavar=("N", "H", "E", "K"))
+    parser.add_argument("--host-calls", type=int, default=1000)
     args = parser.parse_args()
+    if args.host_only:
+        host = host_cost(tuple(args.host_shape), args.host_calls)
+        print_host_cost(host)
+        path = args.out / "bench.json"
+        summary = json.loads(path.read_text()) if path.exists() else {}
+        summary["host"] = host
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+        return
     if args.plot_only:
         summary = json.loads((args.out / "bench.json").read_text())
         plot(summary["results"], args.out / "bench.png", summary["gpu"], broadcast_ratio(summary))
@@ -540,6 +670,8 @@ def main():
         small[v]["autograd_eager_us"] = round_trip_us(load(v), grad=True)["eager_us"]
     small["compiled_floor_us"] = compiled_floor_us()
     print("small-shape permute + unpermute round trip, host-measured us/call:", small)
+    host = host_cost()
+    print_host_cost(host)
     chunks = chunk_sort(copy_bw)
     memory = {v: dict(zip(("ours_bytes", "dense_map_bytes"), bookkeeping(load(v), 16384, 7168, 256, 8)))
               for v in args.variants}
@@ -548,7 +680,7 @@ def main():
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), command="python3 benchmarks/bench.py --out benchmarks/results",
         copy_gbps=round(copy_bw / 1e9, 1), reference_gbps=references, results=results, small_round_trip_us=small, bookkeeping=memory,
-        chunk_sort=chunks)
+        chunk_sort=chunks, host=host)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(results, args.out / "bench.png", summary["gpu"], broadcast_ratio(summary))
 

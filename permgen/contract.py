@@ -53,9 +53,12 @@ def variant_name(axes: dict) -> str:
 
 
 def _variant(variant):
-    """The Variant of a Variant or of a normalised spec entry (a generated module's VARIANT)."""
-    from .variant import Variant
-    return Variant.of(variant)
+    """The Variant of a normalised spec entry (a generated module's VARIANT), torch dtypes bound; a
+    Variant as it is (permgen.ops binds its torch dtypes once; the checks run on every call)."""
+    if isinstance(variant, dict):
+        from .variant import Variant
+        return Variant.of(variant).bind_torch()
+    return variant
 
 
 def combine_dtype_name(variant) -> str:
@@ -81,9 +84,14 @@ def scale_columns(variant, hidden: int) -> int:
 # Argument checks (shared by both targets)
 # ---------------------------------------------------------------------------------------------
 
+_TORCH = []
+
+
 def _torch():
-    import torch
-    return torch
+    if not _TORCH:
+        import torch
+        _TORCH.append(torch)
+    return _TORCH[0]
 
 
 class PermutePlan(NamedTuple):
@@ -131,11 +139,11 @@ def check_tensor(variant, name: str, t, shape, dtypes, device):
 
 
 def token_dtype(variant):
-    return _variant(variant).bind_torch().token_dtype
+    return _variant(variant).token_dtype
 
 
 def combine_dtype(variant):
-    return _variant(variant).bind_torch().combine_dtype
+    return _variant(variant).combine_dtype
 
 
 def prob_dtypes():
@@ -144,11 +152,11 @@ def prob_dtypes():
 
 
 def scale_dtype(variant):
-    return _variant(variant).bind_torch().scale_dtype
+    return _variant(variant).scale_dtype
 
 
 def out_dtype(variant):
-    return _variant(variant).bind_torch().out_dtype
+    return _variant(variant).out_dtype
 
 
 def check_permute(variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
@@ -156,7 +164,7 @@ def check_permute(variant, tokens, routing, probs, scale, num_experts, num_out_t
     """Check permute's arguments against the variant; return its sizes. num_experts_from_ids: index
     routing without num_experts is allowed, and the plan's num_experts is None (read from the ids)."""
     torch = _torch()
-    variant = _variant(variant).bind_torch()
+    variant = _variant(variant)
     where = variant.name
     check_tensor(variant, "tokens", tokens, (None, None), (variant.token_dtype,), None)
     num_tokens, hidden = tokens.shape
@@ -243,7 +251,7 @@ def routing_error(variant, routing, num_experts: int, width: int) -> Optional[st
 
 def check_unpermute(variant, permuted, row_id_map, merging_probs, restore_shape, row_map_type):
     """Check unpermute's arguments against the variant and the row map permute returned."""
-    variant = _variant(variant).bind_torch()
+    variant = _variant(variant)
     where = variant.name
     if not isinstance(row_id_map, row_map_type):
         raise TypeError(f"{where}: row_id_map must be the RowIdMap from this module's permute, "
