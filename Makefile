@@ -36,13 +36,15 @@ list: $(VENV)/.generator-deps
 
 test: $(VENV)/.test-deps
 	$(PY) -m generator check
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 # On the GPU machine: the same suite, kernels running natively on the GPU (torch, triton, numpy,
 # ml_dtypes, pytest, hypothesis preinstalled). The checkout is used as it is, not installed:
-# permgen serves ../generated as permgen.generated.
+# permgen serves ../generated as permgen.generated. One worker per CPU core: most of the suite's
+# time there is CPU work (compiling kernels, the NKI emulator), and the GPU has room for them all.
+GPU_WORKERS ?= $(shell nproc 2>/dev/null || echo 8)
 test-gpu: gpu-ready
-	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n 8 tests
+	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n $(GPU_WORKERS) --dist worksteal tests
 
 bench: gpu-ready
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results

@@ -24,6 +24,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # e.g. the expert-parallel ranks,
     interpreter_patch.install()
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")  # where the Triton target runs; NKI runs on CPU tensors
+# Property tests' examples per test: few where every one runs interpreted or emulated kernels (the
+# Triton interpreter on CPUs, the NKI emulator everywhere), more where the Triton kernels run
+# natively (each new shape may still compile a kernel there: seconds of CPU time).
+EMULATED_EXAMPLES = int(os.environ.get("PERMGEN_MAX_EXAMPLES", 3))
+NATIVE_EXAMPLES = int(os.environ.get("PERMGEN_MAX_EXAMPLES", 20 if HAS_CUDA else EMULATED_EXAMPLES))
 META = torch.device("meta")
 LOOKUP_AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad")
 

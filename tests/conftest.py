@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from cases import HAS_CUDA, bits, poison  # noqa: E402
+from cases import EMULATED_EXAMPLES, HAS_CUDA, bits, poison  # noqa: E402
 
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
@@ -25,18 +25,27 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     interpreter_patch.install()
 
 # Property tests replay: examples derive from the test, not from a clock; no deadline, since an
-# interpreted kernel's first call compiles nothing but still takes its time. Few examples on the
-# CPU (every one runs interpreted kernels); more where kernels run natively.
+# interpreted kernel's first call compiles nothing but still takes its time. The profile's example
+# count is the emulated one (cases.py); tests of natively run kernels ask for more.
 settings.register_profile(
     "permgen",
     derandomize=True,
     deadline=None,
-    max_examples=int(os.environ.get("PERMGEN_MAX_EXAMPLES", 40 if HAS_CUDA else 3)),
+    max_examples=EMULATED_EXAMPLES,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
     database=None,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "permgen"))
+
+# The files of the longest tests, longest first. They start first, so that under pytest-xdist no
+# worker is still in one of them when the others run out of tests.
+SLOW_FIRST = ("test_ep.py", "test_properties.py", "test_compile.py", "test_axis_matrix.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order otherwise
 
 
 @pytest.fixture
