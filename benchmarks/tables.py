@@ -28,11 +28,11 @@ SHAPES = {**LARGE_SHAPES, **SMALL_SHAPES}
 ROWS = [("probs_bf16_mask", "plain"), ("probs_bf16_mask", "topk"), ("probs_bf16_index", "plain"),
         ("probs_pad128_bf16_mask", "plain"), ("probs_pad128_bf16_mask", "topk"),
         ("probs_pad128_fp8e4m3_block128_mask", "plain"), ("probs_pad128_fp8e4m3_block128_mask", "topk")]
-HOST_COST_KEY = "host_cost"  # bench.json's host-path figures, when the run measured them
+HOST_COST_KEY = "host"  # bench.json's host cost of the small round trip, when the run measured it
 
 
-def load(name):
-    path = RESULTS / name
+def load(results, name):
+    path = results / name
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -158,16 +158,27 @@ def round_trip_table(bench):
     return text
 
 
+HOST_LABELS = {"eager_ratio": "eager / its floor", "compiled_ratio": "compiled / its floor",
+               "import_permgen_ms": "`import permgen` (fresh process)",
+               "first_te_call_ms": "first TE round trip (fresh process)"}
+
+
 def host_cost_table(bench):
-    """The host path's figures, in whatever rows and columns the run recorded them."""
-    cost = bench.get(HOST_COST_KEY)
-    if not cost:
+    """bench.json's host cost of the small round trip (bench.py's host_cost), when the run measured it."""
+    host = bench.get(HOST_COST_KEY)
+    if not host:
         return ""
-    if all(not isinstance(v, dict) for v in cost.values()):
-        return table(["measure", "value"], [[k, fmt(v, 1)] for k, v in cost.items()])
-    columns = list(dict.fromkeys(c for v in cost.values() if isinstance(v, dict) for c in v))
-    rows = [[k, *(fmt(v.get(c), 1) if isinstance(v, dict) else fmt(v, 1) for c in columns)] for k, v in cost.items()]
-    return table(["", *columns], rows)
+    header, cells = [], []
+    for name, value in host.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # the shape, variant, device and compile mode: the caption
+        header.append(HOST_LABELS.get(name, name))
+        cells.append(f"{value:.2f}x" if name.endswith("_ratio") else
+                     f"{value:.1f} ms" if name.endswith("_ms") else f"{value:.1f} us")
+    shape = host.get("shape", {})
+    caption = (f"{host.get('variant', '')}, " + ", ".join(f"{k}={v}" for k, v in shape.items())
+               + f", on {host.get('device', '?')}, torch.compile mode {host.get('compile_mode', '?')}:")
+    return caption + "\n\n" + table(header, [cells])
 
 
 def bookkeeping_table(bench):
@@ -245,9 +256,9 @@ def ep_estimate_table(ep):
                   "local combine", "local share of dispatch"], rows) if rows else ""
 
 
-def render_all():
+def render_all(results=RESULTS):
     """Table name -> Markdown (empty where its results are absent)."""
-    bench, quant, ep = load("bench.json"), load("bench_quantize.json"), load("bench_ep.json")
+    bench, quant, ep = (load(results, name) for name in ("bench.json", "bench_quantize.json", "bench_ep.json"))
     tables = {}
     if bench:
         tables.update({"run": run_line(bench), "variants": variants_table(bench),
@@ -286,8 +297,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables are not current")
     parser.add_argument("--print", action="store_true", help="print the tables, write nothing")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder")
     args = parser.parse_args()
-    tables = render_all()
+    tables = render_all(args.results)
     if args.print:
         for name, body in tables.items():
             print(f"<!-- table:{name} -->\n{body}\n")
