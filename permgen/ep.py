@@ -27,11 +27,12 @@ packed sends: a copy of it whose routes point at their send rows, `send_map`, dr
 
 Two modes:
 
-- dropless (recv_capacity=None): the route counts per expert are counted on the device (by
-  permute's routing kernel where permute can run first), exchanged with one small all-to-all, the
-  split sizes summed on the device and read back once (send and receive split sizes and the
-  routing check together: the one device-to-host read, as Megatron's all-to-all dispatcher does).
-  Nothing is dropped; expert ids out of range raise on every rank (check_routing=False skips it).
+- dropless (recv_capacity=None): the route counts per expert are counted on the device by a pass
+  over the routing, exchanged with one small all-to-all and read back once, with the counts
+  received and the routing check (the one device-to-host read, as Megatron's all-to-all
+  dispatcher does); permute runs on the device while the host waits for them and works out the
+  split sizes. Nothing is dropped; expert ids out of range raise on every rank
+  (check_routing=False skips it).
 - fixed capacity (recv_capacity=C): C is per rank pair. Each rank sends every other rank (and
   itself) exactly C rows, so all split sizes are static: nothing is read back and nothing is
   allocated by data, so it is capturable in a CUDA graph and traces under
@@ -48,7 +49,6 @@ The collectives move bytes, so every dtype goes through gloo (CPU) and NCCL (GPU
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -77,7 +77,15 @@ class EpHandle:
     table: Optional[torch.Tensor]  # the regroup's chunk table (None: the received rows are in the output order)
     num_out: int  # M, rows of dispatch's output
     hidden: int
-    dropped: torch.Tensor  # int64 [world size]: rows from each source rank that did not fit
+    # int64 [world size]: rows from each source rank that did not fit, or a function that computes
+    # it on first use (most callers never look; a dispatch launches no kernel for it)
+    dropped_rows: object
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        if callable(self.dropped_rows):
+            self.dropped_rows = self.dropped_rows()
+        return self.dropped_rows
 
     @property
     def group(self):
@@ -109,30 +117,31 @@ def _gather_rows(ops, rows, src):
     if src.dim() == 1:
         return src.index_select(0, rows)
     moved = src.contiguous().view(torch.uint8)
-    return ops.backend.gather_rows(rows, moved).view(src.dtype)
+    return ops.chunk_sort.kernels.gather_rows(rows, moved).view(src.dtype)
 
 
-def _row_bytes(t):
-    """A contiguous tensor's rows as bytes: [rows, bytes per row]."""
-    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+def _wire(t):
+    """t as the collectives move it: fp8 as bytes (gloo and NCCL have no fp8 types), the rest as it is."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
 
 
 def _exchange_rows(x, out_splits, in_splits, group, rows):
-    """all_to_all_single of the rows of x (any dtype, 1-D or 2-D, moved as bytes) into `rows` rows;
-    those past the received ones are zeros (the regroup's pad and empty rows)."""
+    """all_to_all_single of the rows of x (1-D or 2-D) into `rows` rows; those past the received
+    ones are zeros (the regroup's pad and empty rows)."""
     received = sum(out_splits)
-    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    out = got = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     if rows > received:
+        got = out[:received]
         out[received:].zero_()
-    dist.all_to_all_single(_row_bytes(out[:received]), _row_bytes(x.contiguous()), out_splits, in_splits, group=group)
+    dist.all_to_all_single(_wire(got), _wire(x.contiguous()), out_splits, in_splits, group=group)
     return out
 
 
 def _sort(h: EpHandle, inverse, rows, probs):
     """The regroup's chunk sort (inverse: its undoing) of rows and probs beside them (either may be None)."""
     if rows is None:
-        return None, h.ops.backend.sort_chunks(h.table, inverse, probs.contiguous().view(-1, 1), None)[0].view(-1)
-    return h.ops.backend.sort_chunks(h.table, inverse, rows.contiguous(), None if probs is None else probs.contiguous())
+        return None, h.ops.chunk_sort.kernels.sort_chunks(h.table, inverse, probs.contiguous().view(-1, 1), None)[0].view(-1)
+    return h.ops.chunk_sort.kernels.sort_chunks(h.table, inverse, rows.contiguous(), None if probs is None else probs.contiguous())
 
 
 def _to_experts(h: EpHandle, rows, probs=None):
@@ -151,7 +160,8 @@ def _to_sources(h: EpHandle, rows, probs=None):
     if h.table is not None:
         rows, probs = _sort(h, True, rows, probs)
     received, sent = sum(h.recv_splits), sum(h.send_splits)
-    return tuple(None if x is None else _exchange_rows(x[:received], h.send_splits, h.recv_splits, h.group, sent)
+    return tuple(None if x is None else _exchange_rows(x if x.shape[0] == received else x[:received], h.send_splits,
+                                                       h.recv_splits, h.group, sent)
                  for x in (rows, probs))
 
 
@@ -159,8 +169,19 @@ def _pack(h: EpHandle, permuted):
     """permute's rows -> the send buffer: their first rows (a view), or the routed rows gathered
     (padded variants; capacity mode over several ranks, slotted)."""
     if h.pack_rows is None:
-        return permuted[:sum(h.send_splits)]
+        sent = sum(h.send_splits)
+        return permuted if permuted.shape[0] == sent else permuted[:sent]
     return _gather_rows(h.ops, h.pack_rows, permuted)
+
+
+def _dispatch_rows(h: EpHandle, res):
+    """permute's rows and probs -> this rank's experts' rows and probs."""
+    return _to_experts(h, _pack(h, res.tokens), None if res.probs is None else _pack(h, res.probs))
+
+
+def _needs_grad(*tensors):
+    """Whether autograd must see the call (its Function costs the host more than the rest of a combine)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -171,7 +192,7 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, h, res, tokens, probs):
         ctx.h = h
         ctx.probs_meta = None if probs is None else (tuple(probs.shape), probs.dtype)
-        out, out_probs = _to_experts(h, _pack(h, res.tokens), None if res.probs is None else _pack(h, res.probs))
+        out, out_probs = _dispatch_rows(h, res)
         if res.tokens.dtype != tokens.dtype or tokens.dtype.itemsize == 1:
             ctx.mark_non_differentiable(out)  # fp8 rows (moved or quantised) are never differentiated
         ctx.set_materialize_grads(False)
@@ -289,22 +310,63 @@ def _regroup_table(kept, blocks, num_out, pad):
     return table.to(torch.int32), segments
 
 
-def _route_counts(ops, routing, num_experts):
-    """int64 [E]: routes to each expert (ids outside [0, E) route nowhere), without a host sync."""
-    if ops.mask:
-        return (routing != 0).sum(0, dtype=torch.int64)
-    ids = routing.reshape(-1).long()
-    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=routing.device)
-    return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_experts]
+def _route_tally(ops, routing, num_experts, width, check, extra=0):
+    """int64 [E + 1 + extra], counted on the device without a host sync: the routes to each
+    expert, then the routing entries permute would refuse (ids outside [-1, E); tokens with more
+    mask routes than width; 0 unless check), then `extra` words for the caller (index routing:
+    the first of them holds the slots without a route)."""
+    if ops.variant.mask:
+        tally = torch.zeros(num_experts + 1 + extra, dtype=torch.int64, device=routing.device)
+        routed = routing != 0
+        torch.sum(routed, 0, out=tally[:num_experts])
+        if check:
+            torch.sum(routed.sum(1) > width, 0, out=tally[num_experts])
+        return tally
+    # One bucket per id: [0, E) the experts, E the ids check_routing refuses, E + 1 no route (-1).
+    buckets = routing.reshape(-1).clamp(-2, num_experts).remainder_(num_experts + 2)
+    tally = torch.zeros(num_experts + 1 + max(extra, 1), dtype=torch.int64, device=routing.device)
+    tally[:num_experts + 2].index_add_(0, buckets, _ones(routing.device, buckets.shape[0]))
+    return tally if extra else tally[:num_experts + 1]
 
 
-def _bad_routes(ops, routing, num_experts, width):
-    """int64 [1]: routing entries permute would refuse (ids outside [-1, E); tokens with more
-    mask routes than topk), counted on the device."""
-    if ops.mask:
-        return ((routing != 0).sum(1) > width).sum(dtype=torch.int64).reshape(1)
-    return ((routing < -1) | (routing >= num_experts)).sum(dtype=torch.int64).reshape(1)
+_ONES = {}  # device -> int64 ones, the route tally's increments (read only)
+
+
+def _ones(device, n):
+    ones = _ONES.get(device)
+    if ones is None or ones.shape[0] < n:
+        ones = _ONES[device] = torch.ones(max(n, 2 * (0 if ones is None else ones.shape[0])), dtype=torch.int64,
+                                          device=device)
+    return ones[:n]
+
+
+_READ_BACK = {}  # device -> (side stream, pinned int64 host buffer)
+
+
+def _start_read(values):
+    """Start copying int64 `values` to the host; _finish_read waits for them. On a GPU the copy is
+    queued into pinned memory and a side stream waits for it: kernels queued after this call
+    (permute) run while the host waits on the side stream, which waits for the copy alone."""
+    if values.device.type != "cuda":
+        return values, None
+    side, host = _READ_BACK.get(values.device, (None, None))
+    if side is None or host.shape[0] < values.shape[0]:
+        side = torch.cuda.Stream(values.device) if side is None else side
+        host = torch.empty(max(values.shape[0], 1024), dtype=torch.int64, pin_memory=True)
+        _READ_BACK[values.device] = side, host
+    host = host[:values.shape[0]]
+    host.copy_(values, non_blocking=True)
+    side.wait_stream(torch.cuda.current_stream(values.device))
+    return (values, side), host
+
+
+def _finish_read(reading):
+    """The values of a _start_read as a list: the dispatch's one host synchronisation."""
+    source, host = reading
+    if host is None:
+        return source.tolist()
+    source[1].synchronize()  # (source[0], the device values, stays alive until the copy is done)
+    return host.tolist()
 
 
 def _raise_bad_routing(ops, routing, num_experts, width, bad_per_source, me):
@@ -316,18 +378,26 @@ def _raise_bad_routing(ops, routing, num_experts, width, bad_per_source, me):
                      "no rank dispatched")
 
 
+# ProcessGroup -> (world size, this process's rank in it, backend): what the checks learn once per group.
+_GROUPS = weakref.WeakKeyDictionary()
+
+
 def _check_group(name, group, device):
+    """(world size, rank) of this process in the group, after checking the group can serve the tokens."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"{name}: torch.distributed is not initialised; call torch.distributed.init_process_group")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name}: group must be a torch.distributed ProcessGroup (dist.group.WORLD for every rank), "
                         f"got {type(group).__name__}")
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"{name}: this process is not a member of the group")
-    backend = str(dist.get_backend(group))
-    if backend == "nccl" and device.type != "cuda":
+    facts = _GROUPS.get(group)
+    if facts is None:
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(f"{name}: this process is not a member of the group")
+        facts = _GROUPS[group] = dist.get_world_size(group), rank, str(dist.get_backend(group))
+    if facts[2] == "nccl" and device.type != "cuda":
         raise ValueError(f"{name}: the group's backend is nccl but the tokens are on {device}")
-    return dist.get_world_size(group)
+    return facts[:2]
 
 
 # -- the public functions ------------------------------------------------------------------------
@@ -335,7 +405,7 @@ def _check_group(name, group, device):
 def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_experts=None, recv_capacity=None,
                  topk=None, check_routing=None) -> DispatchResult:
     name = ops.name
-    if num_experts is None and not ops.mask:
+    if num_experts is None and not ops.variant.mask:
         raise ValueError(f"{name}: dispatch needs num_experts, the experts of all ranks together (index routing "
                          "does not say how many there are); each rank owns num_experts / world size of them")
     if recv_capacity is not None and not _is_int(recv_capacity):
@@ -348,7 +418,7 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
     num_experts = plan.num_experts
     ops.backend.check_device(tokens)
     compiling = torch.compiler.is_compiling()
-    world = group.size() if compiling else _check_group(name, group, tokens.device)
+    world = group.size() if compiling else _check_group(name, group, tokens.device)[0]
     if num_experts % world:
         raise ValueError(f"{name}: num_experts={num_experts} must be divisible by the group's {world} ranks "
                          "(experts are split evenly over the ranks)")
@@ -362,7 +432,10 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
     with torch.no_grad():  # _Dispatch's backward pass runs permute's backward kernels itself
         res, handle, tokens_per_expert = _plan(ops, plan, tokens, routing, probs, scale, group, world, topk,
                                                recv_capacity, check)
-    out, out_probs = _Dispatch.apply(handle, res, tokens, probs)
+    if _needs_grad(tokens, probs):
+        out, out_probs = _Dispatch.apply(handle, res, tokens, probs)
+    else:
+        out, out_probs = _dispatch_rows(handle, res)
     out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))[0]
     return DispatchResult(out, out_probs, out_scale, tokens_per_expert, handle)
 
@@ -370,23 +443,24 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
 def _plan(ops, plan, tokens, routing, probs, scale, group, world, topk, recv_capacity, check):
     """permute, the split sizes and the regroup: (PermuteResult, EpHandle, tokens_per_expert)."""
     local = plan.num_experts // world
-    pad = ops.variant["pad"]
+    pad = ops.variant.pad
     if recv_capacity is None:
-        res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, tokens_per_expert, dropped = \
+        res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, dropped, tokens_per_expert = \
             _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check)
-        blocks = kept.sum(1)
     else:
         res, send_map, pack_rows, kept, dropped = _capacity_plan(ops, plan, tokens, routing, probs, scale, group,
                                                                  world, local, topk, recv_capacity, check)
         send_splits = recv_splits = [recv_capacity] * world
         num_out = _capacity_rows(world, local, pad, recv_capacity)
-        blocks = torch.full((world,), recv_capacity, dtype=torch.int64, device=tokens.device)
+        tokens_per_expert = None
     if _regroup_needed(world, local, pad, recv_capacity):
+        blocks = (kept.sum(1) if recv_capacity is None
+                  else torch.full((world,), recv_capacity, dtype=torch.int64, device=tokens.device))
         table, tokens_per_expert = _regroup_table(kept, blocks, num_out, pad)
     else:
         table = None  # the received rows are already in (local expert, source) order
-        if recv_capacity is not None:
-            tokens_per_expert = kept.sum(0)
+        if tokens_per_expert is None:
+            tokens_per_expert = kept.sum(0, dtype=torch.int64)
     handle = EpHandle(ops, weakref.ref(group), send_map, send_splits, recv_splits, pack_rows, table, num_out,
                       plan.hidden, dropped)
     return res, handle, tokens_per_expert
@@ -403,93 +477,109 @@ def _regroup_needed(world, local, pad, capacity):
     return bool(pad) or not (world == 1 or (local == 1 and capacity is None))
 
 
+def _no_drops(world, device):
+    return lambda: torch.zeros(world, dtype=torch.int64, device=device)
+
+
 def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, check):
     """Route counts (and the routing check) exchanged and read back once; padded variants pack
-    their routed rows (pad rows stay home)."""
-    num_experts, pad = plan.num_experts, ops.variant["pad"]
-    device = tokens.device
+    their routed rows (pad rows stay home).
+
+    The counts come first, from a pass over the routing alone, and permute's kernels are queued
+    behind their copy to the host: the host's wait for the counts, and its work after them (split
+    sizes, the rows' all-to-all), overlap permute's run instead of following it. Variants whose
+    permute needs the row count (padded ones; mask routing without topk) run it after the read."""
+    num_experts, pad = plan.num_experts, ops.variant.pad
+    # What the host reads, in one tensor: this rank's route counts [E] and bad routes [1], then the
+    # counts each source sends here [W, L + 1] (its counts of this rank's experts, its bad routes).
+    # (Index routing's tally writes its no-route bucket into the first received word, which the
+    # all-to-all then overwrites.)
+    payload = _route_tally(ops, routing, num_experts, plan.width, check, extra=world * (local + 1))
+    recv = payload[num_experts + 1:].view(world, local + 1)
+    # (One destination: its counts and bad routes are the payload's first words as they are.)
+    send = (payload[:num_experts + 1].view(1, -1) if world == 1 else
+            torch.cat([payload[:num_experts].view(world, local), payload[num_experts:num_experts + 1].expand(world, 1)],
+                      1))
+    dist.all_to_all_single(recv, send, group=group)
+    tokens_per_expert = None  # (with a regroup, its table's segment sizes)
+    if not _regroup_needed(world, local, pad, None):  # queued before the read, not after it
+        tokens_per_expert = recv[0, :local] if world == 1 else recv[:, :local].sum(0)
+    early = not pad and (not ops.variant.mask or topk is not None)  # permute's rows are known: one per route slot
+    reading = _start_read(payload)
     res = None
-    if not pad and (not ops.mask or topk is not None):
-        # permute first, with a row for every route slot: its routing kernel counts the routes per
-        # expert, and it runs while the host waits for the counts instead of after.
+    if early:
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts,
                           num_out_tokens=plan.num_tokens * plan.width, topk=topk, check_routing=False)
-        counts = res.tokens_per_expert
-        # The routing kernel tallies the routes without a slot: the ids check_routing refuses.
-        bad = res.row_id_map.unslotted.to(torch.int64).reshape(1) if check else counts.new_zeros(1)
-    else:
-        counts = _route_counts(ops, routing, num_experts)
-        bad = _bad_routes(ops, routing, num_experts, plan.width) if check else counts.new_zeros(1)
-    recv = torch.empty((world, local + 1), dtype=torch.int64, device=device)
-    dist.all_to_all_single(recv, torch.cat([counts.view(world, local), bad.expand(world, 1)], 1), group=group)
-    # Everything the host needs, summed on the device: after the read the GPU waits for the host
-    # to launch the rows' all-to-all, so the host does as little as it can there.
-    tokens_per_expert = _round_up(recv[:, :local].sum(0), pad)
-    sizes = [counts.view(world, local).sum(1), recv[:, :local].sum(1), recv[:, local],
-             tokens_per_expert.sum().reshape(1)]
-    if pad:
-        sizes.append(_round_up(counts, pad).sum().reshape(1))
-    dropped = torch.zeros(world, dtype=torch.int64, device=device)
-    host = torch.cat(sizes).tolist()  # the one device-to-host read
-    send_splits, recv_splits, bad_per_source = host[:world], host[world:2 * world], host[2 * world:3 * world]
-    num_out = host[3 * world]
-    if check and any(bad_per_source):
-        _raise_bad_routing(ops, routing, num_experts, plan.width, bad_per_source, dist.get_rank(group))
+    host = _finish_read(reading)  # the one device-to-host read
+    step = local + 1
+    received = host[num_experts + 1:]
+    send_splits = [sum(host[d * local:(d + 1) * local]) for d in range(world)]
+    recv_splits = [sum(received[s * step:s * step + local]) for s in range(world)]
+    if check and any(received[local::step]):
+        _raise_bad_routing(ops, routing, num_experts, plan.width, received[local::step], dist.get_rank(group))
+    num_out = sum(recv_splits)
+    if pad:  # each local expert's segment, all sources together, padded to a multiple of pad
+        num_out = sum(_round_up(sum(received[s * step + e] for s in range(world)), pad) for e in range(local))
     sent = sum(send_splits)
     pack_rows = None
-    if res is not None:
+    if early:
         send_map = res.row_id_map._replace(num_rows=sent)  # the routed rows are permute's first rows
     elif not pad:
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=sent, topk=topk,
                           check_routing=False)
         send_map = res.row_id_map
     else:
-        permuted_rows = host[3 * world + 1]
+        permuted_rows = sum(_round_up(c, pad) for c in host[:num_experts])
+        counts = payload[:num_experts]
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=permuted_rows,
                           topk=topk, check_routing=False)
         pack_rows = _chunked_rows(counts, res.row_id_map.segment_offsets[:num_experts].long(),
                                   torch.ones_like(counts), sent)
         offsets = torch.cat([_exclusive_cumsum(counts, 0), counts.sum().reshape(1)])
         send_map = _send_row_map(res.row_id_map, _inverse_rows(pack_rows, permuted_rows, -1), offsets, counts, sent)
-    return res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out, tokens_per_expert, dropped
+    return (res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out,
+            _no_drops(world, tokens.device), tokens_per_expert)
 
 
 def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, capacity, check):
     """Static sizes: every rank pair exchanges `capacity` rows; nothing is read back (unless
     check_routing asks for it)."""
-    num_experts, pad = plan.num_experts, ops.variant["pad"]
+    num_experts, pad = plan.num_experts, ops.variant.pad
     device = tokens.device
     if world == 1 and not pad:
         # One destination: the per-pair capacity is permute's own row cap (it keeps the first rows
-        # in expert order, drops the rest and zeroes the rows it does not fill).
+        # in expert order, drops the rest and zeroes the rows it does not fill). The row map's
+        # segment counts and route tallies (dropped, of them without a slot) are consecutive words:
+        # the count exchange sends them as they are.
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=capacity,
                           topk=topk, check_routing=False)
-        row_id_map = res.row_id_map
-        fit = row_id_map.segment_counts.long().view(1, local)
-        # Routes to some expert: those kept, and those dropped past the cap (the tallies' dropped
-        # routes less those without a slot).
-        routed = fit.sum() + (row_id_map.dropped - row_id_map.unslotted).long()
-        routed = routed.view(1, 1)
-        send_map, pack_rows = row_id_map, None
-    else:
-        bound = plan.num_tokens * plan.width + (num_experts * (pad - 1) if pad else 0)  # rows permute can fill
-        # One row more than permute can fill: row `bound` is always zero, the source of empty slots.
-        res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=bound + 1,
-                          topk=topk, check_routing=False)
-        segment_counts = res.row_id_map.segment_counts.long().view(world, local)
-        segment_offsets = res.row_id_map.segment_offsets[:num_experts].long().view(world, local)
-        # Per destination, the first `capacity` rows in (local expert, token) order fit.
-        fit = (capacity - _exclusive_cumsum(segment_counts, 1)).clamp(min=0).minimum(segment_counts)
-        routed = segment_counts.sum(1, keepdim=True)
-        column = torch.full((world, 1), bound, dtype=torch.int64, device=device)
-        sizes = torch.cat([fit, capacity - fit.sum(1, keepdim=True)], 1).flatten()
-        starts = torch.cat([segment_offsets, column], 1).flatten()
-        steps = torch.cat([torch.ones_like(fit), torch.zeros_like(column)], 1).flatten()
-        pack_rows = _chunked_rows(sizes, starts, steps, world * capacity)
-        slot_of_row = _inverse_rows(pack_rows, bound, -1)  # (row `bound`, the zero row, is no route's)
-        slot_starts = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(fit, 1)
-        offsets = torch.cat([slot_starts.flatten(), torch.full((1,), world * capacity, device=device)])
-        send_map = _send_row_map(res.row_id_map, slot_of_row, offsets, fit.flatten(), world * capacity)
+        start = route_words(ops.variant.mask, plan.num_tokens, plan.width) + num_experts + 1
+        tallies = res.row_id_map.row_map[start:start + num_experts + 2]
+        counts_in = torch.empty_like(tallies)
+        dist.all_to_all_single(counts_in, tallies, group=group)
+        if check and counts_in[-1:].tolist()[0]:  # check_routing's host read
+            _raise_bad_routing(ops, routing, num_experts, plan.width, [1], 0)
+        # Routes past the cap: those dropped less those without a slot.
+        return (res, res.row_id_map, None, counts_in[:num_experts].view(1, local),
+                lambda: (counts_in[num_experts:num_experts + 1] - counts_in[num_experts + 1:]).long())
+    bound = plan.num_tokens * plan.width + (num_experts * (pad - 1) if pad else 0)  # rows permute can fill
+    # One row more than permute can fill: row `bound` is always zero, the source of empty slots.
+    res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=bound + 1,
+                      topk=topk, check_routing=False)
+    segment_counts = res.row_id_map.segment_counts.long().view(world, local)
+    segment_offsets = res.row_id_map.segment_offsets[:num_experts].long().view(world, local)
+    # Per destination, the first `capacity` rows in (local expert, token) order fit.
+    fit = (capacity - _exclusive_cumsum(segment_counts, 1)).clamp(min=0).minimum(segment_counts)
+    routed = segment_counts.sum(1, keepdim=True)
+    column = torch.full((world, 1), bound, dtype=torch.int64, device=device)
+    sizes = torch.cat([fit, capacity - fit.sum(1, keepdim=True)], 1).flatten()
+    starts = torch.cat([segment_offsets, column], 1).flatten()
+    steps = torch.cat([torch.ones_like(fit), torch.zeros_like(column)], 1).flatten()
+    pack_rows = _chunked_rows(sizes, starts, steps, world * capacity)
+    slot_of_row = _inverse_rows(pack_rows, bound, -1)  # (row `bound`, the zero row, is no route's)
+    slot_starts = (torch.arange(world, device=device) * capacity)[:, None] + _exclusive_cumsum(fit, 1)
+    offsets = torch.cat([slot_starts.flatten(), torch.full((1,), world * capacity, device=device)])
+    send_map = _send_row_map(res.row_id_map, slot_of_row, offsets, fit.flatten(), world * capacity)
     # What each source sends here (kept rows per local expert, routed rows) and its routing check
     # (the routes permute found no slot for): one small all-to-all.
     bad = res.row_id_map.unslotted.to(torch.int64).reshape(1) if check else routed.new_zeros(1)
@@ -501,7 +591,7 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         if any(bad_per_source):
             _raise_bad_routing(ops, routing, num_experts, plan.width, bad_per_source, dist.get_rank(group))
     kept = counts_in[:, :local]
-    return res, send_map, pack_rows, kept, counts_in[:, local] - kept.sum(1)
+    return res, send_map, pack_rows, kept, lambda: counts_in[:, local] - kept.sum(1)
 
 
 def run_combine(ops, expert_out, handle, merging_probs=None):
@@ -515,14 +605,16 @@ def run_combine(ops, expert_out, handle, merging_probs=None):
     check_tensor(ops.variant, "expert_out", expert_out, (handle.num_out, handle.hidden), (combine_dtype(ops.variant),),
                  device)
     if merging_probs is not None:
-        if not ops.has_probs:
+        if not ops.variant.probs:
             raise ValueError(f"{name}: this variant has no probs; use a variant with probs = true")
         send_map = handle.send_map
         check_tensor(ops.variant, "merging_probs", merging_probs, (send_map.num_tokens, send_map.routing.shape[1]),
                      prob_dtypes(), device)
     if torch.compiler.is_compiling():
         return _COMPILED_EP[ops.prefix].combine(expert_out, handle, merging_probs)
-    return _Combine.apply(handle, expert_out, merging_probs)
+    if _needs_grad(expert_out, merging_probs):
+        return _Combine.apply(handle, expert_out, merging_probs)
+    return ops.backend.unpermute(handle.send_map, _to_sources(handle, expert_out)[0], merging_probs)
 
 
 # -- torch.compile: capacity mode as custom ops ------------------------------------------------------
@@ -582,7 +674,7 @@ class _EpOps:
 
             group = _resolve_process_group(group)
         world = group.size()
-        return group, world, _capacity_rows(world, num_experts // world, self.ops.variant["pad"], capacity)
+        return group, world, _capacity_rows(world, num_experts // world, self.ops.variant.pad, capacity)
 
     def _handle(self, send_row_map, table, group, num_tokens, width, num_experts, capacity, hidden, routing=None):
         group, world, num_out = self._sizes(group, num_experts, capacity)
@@ -591,9 +683,9 @@ class _EpOps:
                         table if table.numel() else None, num_out, hidden, None)
 
     def _row_map_words(self, world, num_tokens, width, num_experts):
-        if world == 1 and not self.ops.variant["pad"]:  # permute's own map (see _capacity_plan)
-            return row_map_words(self.ops.mask, num_tokens, width, num_experts)
-        return route_words(self.ops.mask, num_tokens, width) + 2 * num_experts + 1  # _send_row_map's
+        if world == 1 and not self.ops.variant.pad:  # permute's own map (see _capacity_plan)
+            return row_map_words(self.ops.variant.mask, num_tokens, width, num_experts)
+        return route_words(self.ops.variant.mask, num_tokens, width) + 2 * num_experts + 1  # _send_row_map's
 
     # -- dispatch ----------------------------------------------------------------------------------
 
@@ -603,8 +695,8 @@ class _EpOps:
             tokens, routing, probs, scale, group.group_name, num_experts, width, capacity, topk)
         handle = self._handle(send_row_map, table, group, tokens.shape[0], width, num_experts, capacity,
                               tokens.shape[1], routing)
-        handle.dropped = dropped
-        return DispatchResult(out, out_probs if ops.has_probs else None, out_scale if ops.has_scale else None,
+        handle.dropped_rows = dropped
+        return DispatchResult(out, out_probs if ops.variant.probs else None, out_scale if ops.variant.makes_scale else None,
                               tokens_per_expert, handle)
 
     def _dispatch(self, tokens, routing, probs, scale, group_name, num_experts, width, capacity, topk):
@@ -622,12 +714,12 @@ class _EpOps:
     def _dispatch_fake(self, tokens, routing, probs, scale, group_name, num_experts, width, capacity, topk):
         ops, variant = self.ops, self.ops.variant
         _, world, num_out = self._sizes(group_name, num_experts, capacity)
-        local, pad = num_experts // world, variant["pad"]
+        local, pad = num_experts // world, variant.pad
         hidden = tokens.shape[1]
         out = _empty(tokens, num_out, hidden, dtype=out_dtype(variant))
         out_probs = _empty(tokens, 0, dtype=torch.float32) if probs is None else _empty(probs, num_out)
         out_scale = _empty(tokens, 0, 0)
-        if ops.has_scale:
+        if ops.variant.makes_scale:
             out_scale = _empty(tokens, num_out, scale_columns(variant, hidden), dtype=scale_dtype(variant))
         chunks = world * local + (local if pad else 0)
         table = _empty(tokens, *((4, chunks + 1) if _regroup_needed(world, local, pad, capacity) else (0, 0)),
@@ -641,7 +733,7 @@ class _EpOps:
         ctx.save_for_backward(output[4], output[5])
         ctx.sizes = (group_name, tokens.shape[0], width, num_experts, capacity)
         ctx.probs_meta = (0, torch.float32) if probs is None else (probs.shape[1], probs.dtype)
-        if self.ops.fp8 or self.ops.quantizes:
+        if self.ops.variant.is_fp8 or self.ops.variant.quantizes:
             ctx.mark_non_differentiable(output[0])
         ctx.set_materialize_grads(False)
 
