@@ -268,13 +268,12 @@ class TritonBackend:
         return (Launch(self.kernels.permute, programs, meta) if programs else None), num_blocks, zero_programs, \
             tail_programs
 
-    def _route_meta(self, width, num_experts, num_tokens, num_rows, experts, prob_grads):
-        """K and ROUTES of a kernel that visits each token's route slots; E where it takes the expert
-        count (experts), and E_POW2 where it zeroes mask routing's rows of E prob grads (prob_grads)."""
-        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows))
-        if experts:
-            meta.update(E=num_experts)
-        if prob_grads and self.variant.mask:
+    def _route_meta(self, width, num_experts, num_tokens, num_rows, prob_grads):
+        """K, ROUTES and E of a kernel that visits each token's route slots, and E_POW2 where it writes
+        prob grads (prob_grads; mask routing zeroes rows of E of them). Every variant's kernels take
+        them (permgen.triton_kernels' helpers), used or not."""
+        meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts)
+        if prob_grads:
             meta.update(E_POW2=_pow2(num_experts))
         return meta
 
@@ -282,14 +281,14 @@ class TritonBackend:
     def _gather_launch(self, kernel, width, num_experts, num_tokens, num_rows, hidden, dtypes, prob_grads):
         """The row sums' (unpermute, permute backward; prob_grads: with the prob grads); dtypes: the
         tensors' that may vary."""
-        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.variant.mask, prob_grads)
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, prob_grads)
         meta.update(BLOCK_H=_row_block(dtypes[0]), num_warps=_NUM_WARPS, maxnreg=_register_cap(meta["ROUTES"]))
         return Launch(getattr(self.kernels, kernel), num_tokens, meta)
 
     @_geometry
     def _prob_grads_launch(self, width, num_experts, num_tokens, num_rows, dtypes):
         """The prob grads' alone (permute backward of fp8 tokens)."""
-        meta = self._route_meta(width, num_experts, num_tokens, num_rows, self.variant.mask, True)
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, True)
         meta.update(num_warps=_NUM_WARPS)
         return Launch(self.kernels.route_prob_grads, num_tokens, meta)
 
@@ -298,7 +297,7 @@ class TritonBackend:
         """(Launch or None, zero programs, tail programs) of the scatters (unpermute backward): their
         first programs zero every row that is not some token's route."""
         zero_programs, tail_programs, zero_meta = self._zero_programs(num_experts, num_rows, tail=True)
-        meta = self._route_meta(width, num_experts, num_tokens, num_rows, True, weighted)
+        meta = self._route_meta(width, num_experts, num_tokens, num_rows, weighted)
         meta.update(BLOCK_H=_row_block(dtypes[0]), **zero_meta, num_warps=_NUM_WARPS,
                     maxnreg=_register_cap(meta["ROUTES"], scatter=True))
         programs = zero_programs + num_tokens

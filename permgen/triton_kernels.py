@@ -267,3 +267,254 @@ def gather_rows_kernel(
     for h0 in range(0, hidden, BLOCK_H):
         inside = h0 + cols < hidden
         tl.store(dst + h0 + cols, tl.load(src + h0 + cols, mask=inside), mask=inside)
+
+
+@triton.jit
+def scratch_parts(scratch_ptr, num_blocks, num_tokens, K: tl.constexpr, E: tl.constexpr, MASK: tl.constexpr):
+    """(ticket, block counts [num_blocks, E], ranks [N, K], block drops [num_blocks]) pointers into
+    permute's routing scratch. Only mask routing's scratch holds the ranks (index routing's permute
+    finds them): there they are the block drops' pointer, which no index routing kernel reads as ranks."""
+    block_counts_ptr = scratch_ptr + 1
+    if MASK:
+        ranks_ptr = block_counts_ptr + num_blocks * E
+        block_drops_ptr = ranks_ptr + num_tokens * K
+    else:
+        block_drops_ptr = block_counts_ptr + num_blocks * E
+        ranks_ptr = block_drops_ptr
+    return scratch_ptr, block_counts_ptr, ranks_ptr, block_drops_ptr
+
+
+# ----------------------------------------------------------------------------------------------
+# A token's routes, as the gathers and scatters visit them: a tile of ROUTES slots at a time.
+# Index routing visits a token's K slots as one tile of ROUTES >= K; mask routing its live routes
+# only (the host sizes the tile to the average routes per token).
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows,
+               K: tl.constexpr, ROUTES: tl.constexpr, E: tl.constexpr, MASK: tl.constexpr):
+    """(dst row, kept, offset of the route's prob in the probs) of the token's slots s0 .. s0 + ROUTES - 1;
+    the probs are [N, E] under mask routing, [N, K] under index routing.
+
+    A route whose row is not among the num_rows rows handed in is not kept: TransformerEngine's
+    moe_unpermute may be handed fewer rows than permute made, and the ones past them are dropped.
+
+    live (mask routing): the token's route count, or None for its first tile (s0 = 0): permute wrote
+    -1 to the dst rows of that tile's slots past the count, so its rows need not wait for the count."""
+    slot = s0 + tl.arange(0, ROUTES)
+    route = token * K + slot
+    if MASK:
+        # Every slot of the row map is loaded, the ones past the live routes too (not kept), without
+        # waiting for the count. The route's expert is loaded beside its row rather than after it: one
+        # dependent load less.
+        dst = tl.load(row_map_ptr + route, mask=slot < K, other=-1)
+        experts_ptr, _ = token_routes(row_map_ptr, num_tokens, K)
+        expert = tl.load(experts_ptr + route, mask=slot < K, other=0)
+        kept = (dst >= 0) & (dst < num_rows)
+        if live is not None:
+            kept = kept & (slot < live)  # past the first tile, slots after the count were never written
+        prob_offset = token.to(tl.int64) * E + expert
+    else:
+        dst = tl.load(row_map_ptr + route, mask=slot < K, other=-1)
+        kept = (dst >= 0) & (dst < num_rows)
+        prob_offset = route
+    return dst, kept, prob_offset
+
+
+@triton.jit
+def first_route_tile(row_map_ptr, token, num_tokens, num_rows,
+                     K: tl.constexpr, ROUTES: tl.constexpr, E: tl.constexpr, MASK: tl.constexpr):
+    """(live, dst, kept, prob_offset): the token's route count (live_routes) and its first tile
+    (route_rows), which a gather loads once, at its top, for all it computes. Under mask routing the
+    tile's loads do not wait for the count: only a token with more routes visits more tiles."""
+    live = live_routes(row_map_ptr, token, num_tokens, K, MASK)
+    if MASK:
+        dst, kept, prob_offset = route_rows(row_map_ptr, token, 0, None, num_tokens, num_rows, K, ROUTES, E, MASK)
+    else:
+        dst, kept, prob_offset = route_rows(row_map_ptr, token, 0, live, num_tokens, num_rows, K, ROUTES, E, MASK)
+    return live, dst, kept, prob_offset
+
+
+# ----------------------------------------------------------------------------------------------
+# Gathers: one program per token sums its routes' rows in fp32 (unpermute, permute backward).
+# probs_ptr None: the plain sum; Triton compiles the weighting away.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def sum_route_tile(rows_ptr, dst, kept, prob_offset, probs_ptr, out_ptr, token, hidden,
+                   BLOCK_H: tl.constexpr, whole, MASK: tl.constexpr):
+    """out[token] = sum of rows[dst] over the kept routes of one tile (route_rows), each times its
+    merging prob unless probs_ptr is None, in fp32: a token whose routes one tile holds. Under mask
+    routing stored only if whole (the tile holds all of them), which only the stores wait for."""
+    if probs_ptr is not None:
+        weight = tl.load(probs_ptr + prob_offset, mask=kept, other=0).to(tl.float32)
+    src_row = dst.to(tl.int64)[:, None] * hidden
+    out = out_ptr + token.to(tl.int64) * hidden
+    if MASK:
+        stored = tl.where(whole, hidden, 0)  # columns to store
+    else:
+        stored = hidden
+    for h0 in range(0, hidden, BLOCK_H):
+        col = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(rows_ptr + src_row + col[None, :], mask=kept[:, None] & (col < hidden)[None, :], other=0).to(tl.float32)
+        if probs_ptr is not None:
+            x = x * weight[:, None]
+        tl.store(out + col, tl.sum(x, axis=0).to(out_ptr.dtype.element_ty), mask=col < stored)
+
+
+@triton.jit
+def sum_route_tiles(rows_ptr, row_map_ptr, probs_ptr, out_ptr, token, live, num_tokens, num_rows, hidden,
+                    K: tl.constexpr, ROUTES: tl.constexpr, E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """As sum_route_tile for a mask routing token with more live routes than one tile holds: every
+    column block visits them ROUTES at a time. (Narrower column blocks would save registers, but ran
+    this path several times slower.)"""
+    out = out_ptr + token.to(tl.int64) * hidden
+    for h0 in range(0, hidden, BLOCK_H):
+        col = h0 + tl.arange(0, BLOCK_H)
+        total = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s0 in range(0, live, ROUTES):
+            dst, kept, prob_offset = route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows, K, ROUTES, E, True)
+            x = tl.load(rows_ptr + dst.to(tl.int64)[:, None] * hidden + col[None, :],
+                        mask=kept[:, None] & (col < hidden)[None, :], other=0).to(tl.float32)
+            if probs_ptr is not None:
+                x = x * tl.load(probs_ptr + prob_offset, mask=kept, other=0).to(tl.float32)[:, None]
+            total += tl.sum(x, axis=0)
+        tl.store(out + col, total.to(out_ptr.dtype.element_ty), mask=col < hidden)
+
+
+@triton.jit
+def sum_rows(rows_ptr, row_map_ptr, probs_ptr, out_ptr, token, live, dst, kept, prob_offset, num_tokens, num_rows,
+             hidden, K: tl.constexpr, ROUTES: tl.constexpr, E: tl.constexpr, BLOCK_H: tl.constexpr,
+             MASK: tl.constexpr):
+    """out[token] = sum over its routes of rows[dst], weighted unless probs_ptr is None, in fp32;
+    (live, dst, kept, prob_offset) are its route count and first tile (first_route_tile).
+
+    The host launches it only with columns. Told so, the compiler drops its exit for none, which had
+    held the route count's load until the dst rows arrived (two memory round trips before the row
+    loads instead of one)."""
+    tl.assume(hidden > 0)
+    if MASK:
+        # The first tile is summed without waiting for the count; a token with more routes than the
+        # tile discards that sum and visits all its routes.
+        sum_route_tile(rows_ptr, dst, kept, prob_offset, probs_ptr, out_ptr, token, hidden, BLOCK_H,
+                       live <= ROUTES, MASK)
+        # Compiled only where a token can have more routes than a tile: it costs registers.
+        if K > ROUTES:
+            if live > ROUTES:
+                sum_route_tiles(rows_ptr, row_map_ptr, probs_ptr, out_ptr, token, live, num_tokens, num_rows, hidden,
+                                K, ROUTES, E, BLOCK_H)
+    else:
+        sum_route_tile(rows_ptr, dst, kept, prob_offset, probs_ptr, out_ptr, token, hidden, BLOCK_H, True, MASK)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prob grads: each kept route's into the grads shaped like the probs ([N, E] under mask routing,
+# [N, K] under index routing); every other entry zero.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K: tl.constexpr, MASK: tl.constexpr):
+    """Each kept route's prob grad into the grads. Mask routing: the caller zeroed the token's row
+    first (zero_prob_grads), so experts without a kept route keep that zero. Index routing: slots
+    without a kept route get zero."""
+    if MASK:
+        tl.store(grad_probs_ptr + prob_offset, grads.to(grad_probs_ptr.dtype.element_ty), mask=kept)
+    else:
+        # Written as the slot, token * K folds away: the mask is known at compile time (slot < K
+        # compared as prob_offset < (token + 1) * K costs a register spill).
+        slot = prob_offset - token * K
+        tl.store(grad_probs_ptr + prob_offset, tl.where(kept, grads, 0.0).to(grad_probs_ptr.dtype.element_ty),
+                 mask=slot < K)
+
+
+@triton.jit
+def zero_prob_grads(grad_probs_ptr, token, E: tl.constexpr, E_POW2: tl.constexpr):
+    """Zero the token's row of E prob grads (mask routing); a barrier orders it before the routed
+    columns' stores."""
+    columns = tl.arange(0, E_POW2)
+    row = grad_probs_ptr + token.to(tl.int64) * E
+    tl.store(row + columns, tl.zeros([E_POW2], dtype=grad_probs_ptr.dtype.element_ty), mask=columns < E)
+    tl.debug_barrier()
+
+
+@triton.jit
+def route_prob_grads(row_map_ptr, grad_permuted_probs_ptr, grad_probs_ptr, token, live, dst, kept, prob_offset,
+                     num_tokens, num_rows, K: tl.constexpr, ROUTES: tl.constexpr, E: tl.constexpr,
+                     E_POW2: tl.constexpr, MASK: tl.constexpr):
+    """The token's prob grads, given its route count and first tile (first_route_tile): each kept
+    route's is its row's permuted-prob grad, the others zero."""
+    grads = tl.load(grad_permuted_probs_ptr + dst, mask=kept, other=0).to(tl.float32)
+    if MASK:
+        # The first tile's loads are issued before the row is zeroed: they overlap the zeroing and its
+        # barrier. Only a token with more routes visits more tiles.
+        zero_prob_grads(grad_probs_ptr, token, E, E_POW2)
+        store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K, MASK)
+        if K > ROUTES:  # compiled only where a token can have more routes than a tile (else the count goes unread)
+            for s0 in range(ROUTES, live, ROUTES):
+                dst, kept, prob_offset = route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows, K, ROUTES, E,
+                                                    MASK)
+                grads = tl.load(grad_permuted_probs_ptr + dst, mask=kept, other=0).to(tl.float32)
+                store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K, MASK)
+    else:
+        store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K, MASK)  # one tile holds all K slots
+
+
+# ----------------------------------------------------------------------------------------------
+# Scatters: one program per token writes its grad row to its routes' rows (unpermute backward).
+# probs_ptr None: the plain scatter, without prob grads; Triton compiles the weighting away.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def scatter_route_tile(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr,
+                       token, s0, live, num_tokens, num_rows, hidden, K: tl.constexpr, ROUTES: tl.constexpr,
+                       E: tl.constexpr, BLOCK_H: tl.constexpr, MASK: tl.constexpr):
+    """The token's routes in slots s0 .. s0 + ROUTES - 1 (live: as route_rows takes it): each route's
+    row gets p * grad_out[token] and its prob grad <row, grad_out[token]>, or without probs
+    grad_out[token]."""
+    src = grad_out_ptr + token.to(tl.int64) * hidden
+    dst, kept, prob_offset = route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows, K, ROUTES, E, MASK)
+    if probs_ptr is not None:
+        prob = tl.load(probs_ptr + prob_offset, mask=kept, other=0).to(tl.float32)
+        prob_grad = tl.zeros([ROUTES], dtype=tl.float32)
+    dst_row = dst.to(tl.int64)[:, None] * hidden
+    for h0 in range(0, hidden, BLOCK_H):
+        col = h0 + tl.arange(0, BLOCK_H)
+        row_mask = kept[:, None] & (col < hidden)[None, :]
+        g = tl.load(src + col, mask=col < hidden, other=0).to(tl.float32)
+        if probs_ptr is not None:
+            x = tl.load(permuted_ptr + dst_row + col[None, :], mask=row_mask, other=0).to(tl.float32)
+            prob_grad += tl.sum(x * g[None, :], axis=1)
+            rows = prob[:, None] * g[None, :]
+        else:
+            rows = tl.broadcast_to(g[None, :], (ROUTES, BLOCK_H))
+        tl.store(grad_permuted_ptr + dst_row + col[None, :], rows.to(grad_permuted_ptr.dtype.element_ty),
+                 mask=row_mask)
+    if probs_ptr is not None:
+        store_route_grads(grad_probs_ptr, token, prob_offset, kept, prob_grad, K, MASK)
+
+
+@triton.jit
+def scatter_token(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr, token,
+                  num_tokens, num_rows, hidden, K: tl.constexpr, ROUTES: tl.constexpr, E: tl.constexpr,
+                  E_POW2: tl.constexpr, BLOCK_H: tl.constexpr, MASK: tl.constexpr):
+    """Every route of the token (scatter_route_tile), a tile at a time; E_POW2 only with probs."""
+    live = live_routes(row_map_ptr, token, num_tokens, K, MASK)
+    if MASK:
+        if probs_ptr is not None:
+            zero_prob_grads(grad_probs_ptr, token, E, E_POW2)
+        # The first tile does not wait for the count; only a token with more routes visits more tiles.
+        scatter_route_tile(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr,
+                           token, 0, None, num_tokens, num_rows, hidden, K, ROUTES, E, BLOCK_H, MASK)
+        if K > ROUTES:  # compiled only where a token can have more routes than a tile
+            for s0 in range(ROUTES, live, ROUTES):
+                scatter_route_tile(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr,
+                                   grad_permuted_ptr, token, s0, live, num_tokens, num_rows, hidden, K, ROUTES, E,
+                                   BLOCK_H, MASK)
+    else:
+        # One tile holds all K slots.
+        scatter_route_tile(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr,
+                           token, 0, live, num_tokens, num_rows, hidden, K, ROUTES, E, BLOCK_H, MASK)
