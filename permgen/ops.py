@@ -119,7 +119,6 @@ def _define_op(qualname, impl, schema):
     return torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
 
 
-@torch.compiler.assume_constant_result
 def _registered(owner) -> bool:
     """Register `owner`'s ops on its first call that needs them. Under torch.compile this runs
     while Dynamo traces, as plain Python (no op can be defined from traced code); the handles are
@@ -127,6 +126,11 @@ def _registered(owner) -> bool:
     if not owner._op:
         owner._register()
     return True
+
+
+# What torch.compiler.assume_constant_result(_registered) sets, set without importing Dynamo, which
+# would add seconds to every import of a variant.
+_registered._dynamo_marked_constant = True
 
 
 class _Registered:
