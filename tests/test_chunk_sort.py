@@ -11,23 +11,13 @@ import torch
 
 import permgen
 from cases import assert_bits_equal, device_of, generator_for, is_fp8, load, make_tokens, variants_for
+from reference import sort_chunks_grad_ref, sort_chunks_ref
 
 HAS_PROBS = {name: v["probs"] for name, v in permgen.VARIANTS.items()}
 TARGET_VARIANTS = [(t, n) for t in ("triton", "nki") for n in variants_for(t)]
 # A chunk of zero rows, chunks of one row, and an order that moves every chunk.
 SPLIT_SIZES = [3, 0, 5, 1, 4, 1]
 SORTED_IDXS = [4, 2, 0, 5, 1, 3]
-
-
-def chunk_sort_ref(t, split_sizes, sorted_idxs):
-    chunks = torch.split(t, split_sizes, dim=0)
-    return torch.cat([chunks[i] for i in sorted_idxs], dim=0)
-
-
-def inverse_ref(grad, split_sizes, sorted_idxs):
-    """The gradient of a chunk sort: each output row's gradient goes back to its source row."""
-    source = chunk_sort_ref(torch.arange(grad.shape[0]), split_sizes, sorted_idxs)
-    return torch.zeros_like(grad).index_copy(0, source.to(grad.device), grad)
 
 
 @pytest.mark.parametrize("with_probs", [False, True], ids=["tokens", "with_probs"])
@@ -46,13 +36,13 @@ def test_sort_chunks(target, name, with_probs, request, poisoned_empty):
     inp = tokens.clone().requires_grad_(differentiable)
     p = None if probs is None else probs.clone().requires_grad_()
     out, out_probs = mod.sort_chunks(inp, split_sizes, sorted_idxs, p)
-    assert_bits_equal(out, chunk_sort_ref(tokens, SPLIT_SIZES, SORTED_IDXS), "sorted rows")
+    assert_bits_equal(out, sort_chunks_ref(tokens, SPLIT_SIZES, SORTED_IDXS), "sorted rows")
     outputs, grads = [], []
     if differentiable:
         outputs.append(out)
         grads.append(torch.randn(out.shape, generator=g).to(out.dtype).to(device))
     if with_probs:
-        assert_bits_equal(out_probs, chunk_sort_ref(probs, SPLIT_SIZES, SORTED_IDXS), "sorted probs")
+        assert_bits_equal(out_probs, sort_chunks_ref(probs, SPLIT_SIZES, SORTED_IDXS), "sorted probs")
         outputs.append(out_probs)
         grads.append(torch.randn(out_probs.shape, generator=g).to(device))
     else:
@@ -62,9 +52,9 @@ def test_sort_chunks(target, name, with_probs, request, poisoned_empty):
         return
     torch.autograd.backward(outputs, grads)
     if differentiable:
-        assert_bits_equal(inp.grad, inverse_ref(grads[0], SPLIT_SIZES, SORTED_IDXS), "token grads")
+        assert_bits_equal(inp.grad, sort_chunks_grad_ref(grads[0], SPLIT_SIZES, SORTED_IDXS), "token grads")
     if with_probs:
-        assert_bits_equal(p.grad, inverse_ref(grads[-1], SPLIT_SIZES, SORTED_IDXS), "prob grads")
+        assert_bits_equal(p.grad, sort_chunks_grad_ref(grads[-1], SPLIT_SIZES, SORTED_IDXS), "prob grads")
 
 
 @pytest.mark.parametrize("target", ["triton", "nki"])
@@ -113,13 +103,13 @@ def test_sort_chunks_random(target, num_chunks, request, poisoned_empty):
     probs = torch.rand(tokens.shape[0], generator=g).to(device)
     inp, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
     out, out_probs = mod.sort_chunks(inp, sizes, order, p)
-    assert_bits_equal(out, chunk_sort_ref(tokens, sizes.tolist(), order.tolist()), "sorted rows")
-    assert_bits_equal(out_probs, chunk_sort_ref(probs, sizes.tolist(), order.tolist()), "sorted probs")
+    assert_bits_equal(out, sort_chunks_ref(tokens, sizes.tolist(), order.tolist()), "sorted rows")
+    assert_bits_equal(out_probs, sort_chunks_ref(probs, sizes.tolist(), order.tolist()), "sorted probs")
     grad = torch.randn(out.shape, generator=g).to(out.dtype).to(device)
     grad_probs = torch.randn(out_probs.shape, generator=g).to(device)
     torch.autograd.backward((out, out_probs), (grad, grad_probs))
-    assert_bits_equal(inp.grad, inverse_ref(grad, sizes.tolist(), order.tolist()), "token grads")
-    assert_bits_equal(p.grad, inverse_ref(grad_probs, sizes.tolist(), order.tolist()), "prob grads")
+    assert_bits_equal(inp.grad, sort_chunks_grad_ref(grad, sizes.tolist(), order.tolist()), "token grads")
+    assert_bits_equal(p.grad, sort_chunks_grad_ref(grad_probs, sizes.tolist(), order.tolist()), "prob grads")
 
 
 @pytest.mark.parametrize("num_chunks", [0, 1, 5, 1500])  # 1500: more chunks than one step of the table's program
