@@ -1,10 +1,12 @@
 """`python -m generator vendor <variant> -o FILE`: one self-contained Triton file for a variant.
 
-The file is the permgen runtime the Triton target needs (contract, results, ops, triton_host),
-inlined in dependency order, followed by the variant's generated kernels and binding; it imports
-only torch, triton and the standard library. Imports between the inlined modules are dropped, the
-others gathered at the top; a top-level name defined by two parts is an error, so inlining can
-never silently rebind one.
+The file is the permgen runtime the variant's module uses (the permgen modules it imports, and
+those they import: contract, variant, results, ops, triton_host, ep, triton_kernels ...),
+inlined each after the ones it imports, followed by the variant's generated kernels and binding;
+it imports only torch, triton and the standard library. Imports between the inlined modules are
+dropped (inside functions too: the names they bind are the file's own), the others gathered at
+the top; a top-level name defined by two parts is an error, so inlining can never silently rebind
+one.
 """
 
 import ast
@@ -13,20 +15,63 @@ from pathlib import Path
 from .render import MARKER, GenerationError, Output
 
 RUNTIME = Path(__file__).resolve().parent.parent / "permgen"
-# The runtime modules a Triton module uses, each after the ones it imports.
-TRITON_RUNTIME = ("contract", "results", "ops", "triton_host", "ep", "triton_kernels")
+
+
+def _internal_modules(node: ast.stmt) -> list:
+    """The permgen modules (file stems) an import statement imports from; [] for any other import."""
+    if isinstance(node, ast.ImportFrom):
+        module = node.module or ""
+        if node.level == 0 and module.split(".")[0] != "permgen":
+            return []
+        parts = module.split(".")[1:] if node.level == 0 else ([module] if module else [])
+        if parts:
+            return [parts[0]]
+        return [a.name for a in node.names]  # from permgen import x / from . import x: x is a module
+    if isinstance(node, ast.Import):
+        return [a.name.split(".")[1] for a in node.names if a.name.split(".")[0] == "permgen" and "." in a.name]
+    return []
 
 
 def _is_internal(node: ast.stmt) -> bool:
-    """An import of permgen itself (inlined) or of __future__."""
+    """An import of permgen itself (inlined) or of __future__ (the inlined modules run without it)."""
     if isinstance(node, ast.ImportFrom):
         return node.level > 0 or (node.module or "").split(".")[0] in ("permgen", "__future__")
     return isinstance(node, ast.Import) and any(a.name.split(".")[0] == "permgen" for a in node.names)
 
 
-def _split(source: str, label: str):
-    """(external imports, body text, top-level names) of one module, without its header
-    comments, docstring and imports."""
+def _runtime_order(source: str) -> list:
+    """The permgen modules `source` needs, through their top-level imports, each after the ones it imports."""
+    order, visiting = [], set()
+
+    def visit(name):
+        if name in order or name in visiting:
+            return
+        visiting.add(name)
+        path = RUNTIME / f"{name}.py"
+        if not path.is_file():
+            raise GenerationError(f"vendor: permgen.{name} is imported but is not a module file ({path})")
+        for dep in _top_level_deps(path.read_text(encoding="utf-8"), f"permgen/{name}.py"):
+            visit(dep)
+        order.append(name)
+
+    for dep in _top_level_deps(source, "the generated module"):
+        visit(dep)
+    return order
+
+
+def _top_level_deps(source: str, label: str) -> list:
+    deps = []
+    for node in ast.parse(source, label).body:
+        for name in _internal_modules(node):
+            if name not in deps:
+                deps.append(name)
+    return deps
+
+
+def _split(source: str, label: str, inlined):
+    """(external imports, body text, top-level names) of one module, without its header comments,
+    docstring and imports. An import of an inlined module inside a function becomes `pass` (its
+    names are the file's own), or for a module bound to a name, that name for the file's module."""
     tree = ast.parse(source, label)
     lines = source.splitlines(keepends=True)
     imports, names = [], []
@@ -45,7 +90,25 @@ def _split(source: str, label: str):
             names.extend(t.id for t in node.targets if isinstance(t, ast.Name))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.append(node.target.id)
-    body = "".join(line for j, line in enumerate(lines) if j not in drop)
+    replace = {}
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if id(node) in top or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        modules = _internal_modules(node)
+        if not modules or not set(modules) <= set(inlined):
+            continue
+        indent = lines[node.lineno - 1][:node.col_offset]
+        as_modules = isinstance(node, ast.ImportFrom) and (
+            not node.module if node.level else node.module == "permgen")
+        if as_modules:  # from . import triton_kernels as k: k holds this file's names
+            binds = "; ".join(f"{a.asname or a.name} = types.SimpleNamespace(**globals())" for a in node.names)
+            imports.append(ast.Import(names=[ast.alias("types")]))
+        else:
+            binds = "; ".join(f"{a.asname} = {a.name}" for a in node.names if a.asname) or "pass"
+        replace[node.lineno - 1] = f"{indent}{binds}  # vendored: {', '.join(modules)} inlined in this file\n"
+        drop.update(range(node.lineno, node.end_lineno))
+    body = "".join(replace.get(j, line) for j, line in enumerate(lines) if j not in drop)
     return imports, body.strip("\n"), names
 
 
@@ -67,11 +130,12 @@ def _import_block(nodes) -> str:
 
 def vendor(output: Output, variant_name: str) -> str:
     """The self-contained source for one generated Triton module (`output`, rendered in memory)."""
-    parts = [(f"permgen/{name}.py", (RUNTIME / f"{name}.py").read_text(encoding="utf-8")) for name in TRITON_RUNTIME]
+    runtime = _runtime_order(output.text)
+    parts = [(f"permgen/{name}.py", (RUNTIME / f"{name}.py").read_text(encoding="utf-8")) for name in runtime]
     parts.append((f"generated/{output.path.as_posix()}", output.text))
     imports, bodies, owner = [], [], {}
     for label, source in parts:
-        part_imports, body, names = _split(source, label)
+        part_imports, body, names = _split(source, label, runtime)
         for name in names:
             if name in owner:
                 raise GenerationError(f"vendor: {name!r} is defined in both {owner[name]} and {label}")
@@ -81,7 +145,7 @@ def vendor(output: Output, variant_name: str) -> str:
     kernel_doc = ast.get_docstring(ast.parse(output.text)) or ""
     header = (f"{MARKER} vendor for variant {variant_name}: the permgen runtime inlined before the kernels.\n"
               "# DO NOT EDIT: change variants.toml or the sources, then vendor again.\n")
-    runtime = ", ".join(f"permgen/{name}.py" for name in TRITON_RUNTIME)
-    doc = (f'"""{kernel_doc}\n\nSelf-contained: the permgen runtime ({runtime}) is inlined above\n'
+    inlined = ", ".join(f"permgen/{name}.py" for name in runtime)
+    doc = (f'"""{kernel_doc}\n\nSelf-contained: the permgen runtime ({inlined}) is inlined above\n'
            'the kernels; this file imports only torch, triton and the standard library.\n"""\n')
     return header + doc + "\n" + _import_block(imports) + "\n\n\n" + "\n\n\n".join(bodies)
