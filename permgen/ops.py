@@ -119,10 +119,15 @@ def _define_op(qualname, impl, schema):
     return torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
 
 
-def _registered(owner) -> bool:
-    """Register `owner`'s ops on its first call that needs them. Under torch.compile this runs
-    while Dynamo traces, as plain Python (no op can be defined from traced code); the handles are
-    read only after it."""
+_OWNERS = {}  # key -> _Registered: _registered takes a string, which Dynamo passes as a constant
+
+
+def _registered(key: str) -> bool:
+    """Register the ops of the owner with this key on its first call that needs them. Under
+    torch.compile this runs while Dynamo traces, as plain Python (no op can be defined from traced
+    code); the handles are read only after it. Its argument is a string because Dynamo (torch 2.11)
+    calls a constant-result function only with constant arguments."""
+    owner = _OWNERS[key]
     if not owner._op:
         owner._register()
     return True
@@ -142,20 +147,22 @@ class _Registered:
     def __init__(self, prefix):
         self.prefix = prefix
         self._op, self._eager, self._custom_ops, self._impl = {}, {}, {}, {}
+        self._key = f"{prefix}#{len(_OWNERS)}"
+        _OWNERS[self._key] = self
 
     @property
     def op(self):
-        _registered(self)
+        _registered(self._key)
         return self._op
 
     @property
     def eager(self):
-        _registered(self)
+        _registered(self._key)
         return self._eager
 
     @property
     def custom_ops(self):
-        _registered(self)
+        _registered(self._key)
         return self._custom_ops
 
     def _register(self):
