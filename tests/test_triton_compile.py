@@ -67,8 +67,9 @@ def record_launches(module, jit_function_class):
         only_probs = module.permute(tokens.detach(), routing, probs, scale, num_experts=case.E, num_out_tokens=20,
                                     check_routing=False, **extra)
         torch.autograd.grad(only_probs.probs, probs, torch.ones_like(only_probs.probs))
-    for chunk_probs in ([None, torch.rand(case.N)] if probs is not None else [None]):
-        module.sort_chunks(tokens.detach(), torch.tensor([3, 5]), torch.tensor([1, 0]), chunk_probs)
+    for chunk_probs in (None, torch.rand(case.N)):  # the target's chunk sort (permgen.triton_kernels), any variant
+        module._ops.chunk_sort.sort("chunk sort", tokens.detach(), torch.tensor([3, 5]), torch.tensor([1, 0]),
+                                    chunk_probs)
     module._ops.chunk_sort.kernels.gather_rows(torch.tensor([2, 0, 7], dtype=torch.int32), tokens.detach().view(torch.uint8))  # as permgen.ep
     permuted = torch.zeros(20, case.H, dtype=combine_dtype(v), requires_grad=True)
     for merging in ([None, torch.rand(probs.shape, requires_grad=True)] if probs is not None else [None]):
