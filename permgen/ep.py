@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
                        scale_columns, scale_dtype)
-from .results import RowIdMap, route_words, row_map_words
+from .results import PermuteResult, RowIdMap, RowMapLayout, route_words, row_map_words
 
 
 @dataclass
@@ -310,13 +310,12 @@ def _regroup_table(kept, blocks, num_out, pad):
     return table.to(torch.int32), segments
 
 
-def _route_tally(ops, routing, num_experts, width, check, extra=0):
-    """int64 [E + 1 + extra], counted on the device without a host sync: the routes to each
-    expert, then the routing entries permute would refuse (ids outside [-1, E); tokens with more
-    mask routes than width; 0 unless check), then `extra` words for the caller (index routing:
-    the first of them holds the slots without a route)."""
+def _route_tally(ops, routing, num_experts, width, check):
+    """int64 [E + 1], counted on the device without a host sync: the routes to each expert, then
+    the routing entries permute would refuse (ids outside [-1, E); tokens with more mask routes
+    than width; 0 unless check). For the dispatches whose permute cannot count them first."""
     if ops.variant.mask:
-        tally = torch.zeros(num_experts + 1 + extra, dtype=torch.int64, device=routing.device)
+        tally = torch.zeros(num_experts + 1, dtype=torch.int64, device=routing.device)
         routed = routing != 0
         torch.sum(routed, 0, out=tally[:num_experts])
         if check:
@@ -324,9 +323,9 @@ def _route_tally(ops, routing, num_experts, width, check, extra=0):
         return tally
     # One bucket per id: [0, E) the experts, E the ids check_routing refuses, E + 1 no route (-1).
     buckets = routing.reshape(-1).clamp(-2, num_experts).remainder_(num_experts + 2)
-    tally = torch.zeros(num_experts + 1 + max(extra, 1), dtype=torch.int64, device=routing.device)
-    tally[:num_experts + 2].index_add_(0, buckets, _ones(routing.device, buckets.shape[0]))
-    return tally if extra else tally[:num_experts + 1]
+    tally = torch.zeros(num_experts + 2, dtype=torch.int64, device=routing.device)
+    tally.index_add_(0, buckets, _ones(routing.device, buckets.shape[0]))
+    return tally[:num_experts + 1]
 
 
 _ONES = {}  # device -> int64 ones, the route tally's increments (read only)
@@ -340,33 +339,50 @@ def _ones(device, n):
     return ones[:n]
 
 
-_READ_BACK = {}  # device -> (side stream, pinned int64 host buffer)
+def _exchange_counts(counts, group, world, local):
+    """counts [E + 1]: this rank's routes to each expert, then its bad routes. One small
+    all-to-all sends each rank its experts' counts and the bad routes. Returns (payload, received
+    [W, L + 1]): the payload, what the host reads, is what was sent then what was received (with
+    one rank they are the same, so only what was received)."""
+    if world == 1:
+        sent = counts.view(1, -1)
+        payload = received = torch.empty_like(sent)
+    else:
+        payload = counts.new_empty((2, world, local + 1))
+        sent, received = payload
+        torch.cat([counts[:-1].view(world, local), counts[-1:].expand(world, 1)], 1, out=sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return payload, received
+
+
+_READ_BACK = {}  # (device, dtype) -> (event, pinned host buffer)
 
 
 def _start_read(values):
-    """Start copying int64 `values` to the host; _finish_read waits for them. On a GPU the copy is
-    queued into pinned memory and a side stream waits for it: kernels queued after this call
-    (permute) run while the host waits on the side stream, which waits for the copy alone."""
+    """Start copying integer `values` to the host; _finish_read waits for them. On a GPU the copy
+    is queued into pinned memory and an event recorded after it: kernels queued after this call
+    (permute's) run while the host waits for the copy alone."""
     if values.device.type != "cuda":
         return values, None
-    side, host = _READ_BACK.get(values.device, (None, None))
-    if side is None or host.shape[0] < values.shape[0]:
-        side = torch.cuda.Stream(values.device) if side is None else side
-        host = torch.empty(max(values.shape[0], 1024), dtype=torch.int64, pin_memory=True)
-        _READ_BACK[values.device] = side, host
-    host = host[:values.shape[0]]
+    key = values.device, values.dtype
+    event, host = _READ_BACK.get(key, (None, None))
+    if event is None or host.shape[0] < values.numel():
+        event = torch.cuda.Event() if event is None else event
+        host = torch.empty(max(values.numel(), 1024), dtype=values.dtype, pin_memory=True)
+        _READ_BACK[key] = event, host
+    host = host[:values.numel()].view(values.shape)
     host.copy_(values, non_blocking=True)
-    side.wait_stream(torch.cuda.current_stream(values.device))
-    return (values, side), host
+    event.record()
+    return (values, event), host
 
 
 def _finish_read(reading):
-    """The values of a _start_read as a list: the dispatch's one host synchronisation."""
+    """The values of a _start_read as a flat list: the dispatch's one host synchronisation."""
     source, host = reading
     if host is None:
-        return source.tolist()
+        return source.reshape(-1).tolist()
     source[1].synchronize()  # (source[0], the device values, stays alive until the copy is done)
-    return host.tolist()
+    return host.reshape(-1).tolist()
 
 
 def _raise_bad_routing(ops, routing, num_experts, width, bad_per_source, me):
@@ -456,7 +472,7 @@ def _plan(ops, plan, tokens, routing, probs, scale, group, world, topk, recv_cap
     if _regroup_needed(world, local, pad, recv_capacity):
         blocks = (kept.sum(1) if recv_capacity is None
                   else torch.full((world,), recv_capacity, dtype=torch.int64, device=tokens.device))
-        table, tokens_per_expert = _regroup_table(kept, blocks, num_out, pad)
+        table, tokens_per_expert = _regroup_table(kept.long(), blocks, num_out, pad)
     else:
         table = None  # the received rows are already in (local expert, source) order
         if tokens_per_expert is None:
@@ -485,41 +501,48 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
     """Route counts (and the routing check) exchanged and read back once; padded variants pack
     their routed rows (pad rows stay home).
 
-    The counts come first, from a pass over the routing alone, and permute's kernels are queued
-    behind their copy to the host: the host's wait for the counts, and its work after them (split
-    sizes, the rows' all-to-all), overlap permute's run instead of following it. Variants whose
-    permute needs the row count (padded ones; mask routing without topk) run it after the read."""
+    Where permute's rows are known before the counts (one per route slot: index routing, mask
+    routing with topk, no padding), permute's routing kernel counts the routes and the bad ones, and
+    the count exchange and its copy to the host are queued between its two launches: the host's
+    wait for the counts, and its work after them (split sizes, the rows' all-to-all), overlap the
+    rows' move instead of following it. The others (padded variants; mask routing without topk)
+    count with a pass over the routing and run permute after the read."""
     num_experts, pad = plan.num_experts, ops.variant.pad
-    # What the host reads, in one tensor: this rank's route counts [E] and bad routes [1], then the
-    # counts each source sends here [W, L + 1] (its counts of this rank's experts, its bad routes).
-    # (Index routing's tally writes its no-route bucket into the first received word, which the
-    # all-to-all then overwrites.)
-    payload = _route_tally(ops, routing, num_experts, plan.width, check, extra=world * (local + 1))
-    recv = payload[num_experts + 1:].view(world, local + 1)
-    # (One destination: its counts and bad routes are the payload's first words as they are.)
-    send = (payload[:num_experts + 1].view(1, -1) if world == 1 else
-            torch.cat([payload[:num_experts].view(world, local), payload[num_experts:num_experts + 1].expand(world, 1)],
-                      1))
-    dist.all_to_all_single(recv, send, group=group)
-    tokens_per_expert = None  # (with a regroup, its table's segment sizes)
-    if not _regroup_needed(world, local, pad, None):  # queued before the read, not after it
-        tokens_per_expert = recv[0, :local] if world == 1 else recv[:, :local].sum(0)
-    early = not pad and (not ops.variant.mask or topk is not None)  # permute's rows are known: one per route slot
-    reading = _start_read(payload)
+    early = not pad and (not ops.variant.mask or topk is not None)
     res = None
     if early:
-        res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts,
-                          num_out_tokens=plan.num_tokens * plan.width, topk=topk, check_routing=False)
+        layout = RowMapLayout(ops.variant.mask, plan.num_tokens, plan.width, num_experts)
+        queued = {}
+
+        def exchange(row_map):  # the segment counts [E], then the dropped routes: all of them bad ones here
+            counts = queued["counts"] = row_map[layout.segment_counts:layout.route_tallies + 1]
+            queued["payload"], queued["received"] = _exchange_counts(counts, group, world, local)
+            queued["reading"] = _start_read(queued["payload"])
+
+        out = ops.backend.permute(plan._replace(num_out_tokens=plan.num_tokens * plan.width, check_routing=False),
+                                  tokens, routing, probs, scale, routed=exchange)
+        res = PermuteResult(out.tokens, out.probs, out.scale,
+                            RowIdMap(out.row_map, routing, plan.num_tokens, plan.width, num_experts, out.num_rows,
+                                     ops.name), out.tokens_per_expert)
+        counts, received, reading = queued["counts"], queued["received"], queued["reading"]
+    else:
+        counts = _route_tally(ops, routing, num_experts, plan.width, check)
+        payload, received = _exchange_counts(counts, group, world, local)
+        reading = _start_read(payload)
+    tokens_per_expert = None  # (with a regroup, its table's segment sizes)
+    if not _regroup_needed(world, local, pad, None):  # queued before the read, not after it
+        tokens_per_expert = received[:, :local].sum(0, dtype=torch.int64)
     host = _finish_read(reading)  # the one device-to-host read
     step = local + 1
-    received = host[num_experts + 1:]
-    send_splits = [sum(host[d * local:(d + 1) * local]) for d in range(world)]
-    recv_splits = [sum(received[s * step:s * step + local]) for s in range(world)]
-    if check and any(received[local::step]):
-        _raise_bad_routing(ops, routing, num_experts, plan.width, received[local::step], dist.get_rank(group))
+    got = host[-world * step:]  # [W, L + 1] per source: its counts of this rank's experts, its bad routes
+    own = host[:world * step]  # the same for what this rank sent (with one rank, the same words)
+    send_splits = [sum(own[d * step:d * step + local]) for d in range(world)]
+    recv_splits = [sum(got[s * step:s * step + local]) for s in range(world)]
+    if check and any(got[local::step]):
+        _raise_bad_routing(ops, routing, num_experts, plan.width, got[local::step], dist.get_rank(group))
     num_out = sum(recv_splits)
     if pad:  # each local expert's segment, all sources together, padded to a multiple of pad
-        num_out = sum(_round_up(sum(received[s * step + e] for s in range(world)), pad) for e in range(local))
+        num_out = sum(_round_up(sum(got[s * step + e] for s in range(world)), pad) for e in range(local))
     sent = sum(send_splits)
     pack_rows = None
     if early:
@@ -529,15 +552,15 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
                           check_routing=False)
         send_map = res.row_id_map
     else:
-        permuted_rows = sum(_round_up(c, pad) for c in host[:num_experts])
-        counts = payload[:num_experts]
+        permuted_rows = sum(_round_up(c, pad) for d in range(world) for c in own[d * step:d * step + local])
+        counts = counts[:num_experts]
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=permuted_rows,
                           topk=topk, check_routing=False)
         pack_rows = _chunked_rows(counts, res.row_id_map.segment_offsets[:num_experts].long(),
                                   torch.ones_like(counts), sent)
         offsets = torch.cat([_exclusive_cumsum(counts, 0), counts.sum().reshape(1)])
         send_map = _send_row_map(res.row_id_map, _inverse_rows(pack_rows, permuted_rows, -1), offsets, counts, sent)
-    return (res, send_map, pack_rows, send_splits, recv_splits, recv[:, :local], num_out,
+    return (res, send_map, pack_rows, send_splits, recv_splits, received[:, :local], num_out,
             _no_drops(world, tokens.device), tokens_per_expert)
 
 

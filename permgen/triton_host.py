@@ -306,8 +306,9 @@ class TritonBackend:
 
     # -- ops ---------------------------------------------------------------------------------------
 
-    def permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs:
-        """Two launches (routing, then rows)."""
+    def permute(self, plan, tokens, routing, probs, scale, routed=None) -> PermuteOutputs:
+        """Two launches (routing, then rows). routed(row_map), when given, is called between them:
+        expert parallelism queues its count exchange there, so that it runs before the rows move."""
         v = self.variant
         num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
         device = tokens.device
@@ -323,6 +324,8 @@ class TritonBackend:
         num_blocks = route.programs
         route(index, aligned, routing, row_map, tokens_per_expert, scratch, num_tokens, num_blocks,
               _NO_CAP if cap is None else cap)
+        if routed is not None:
+            routed(row_map)
         # Without a cap the row count is data-dependent: permute's one host sync (rows in use = offsets[E]).
         num_rows = int(row_map[layout.segment_offsets + num_experts]) if cap is None else cap
 
