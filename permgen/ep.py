@@ -355,25 +355,26 @@ def _exchange_counts(counts, group, world, local):
     return payload, received
 
 
-_READ_BACK = {}  # (device, dtype) -> (event, pinned host buffer)
+_READ_BACK = {}  # (device, dtype) -> (side stream, pinned host buffer)
 
 
 def _start_read(values):
     """Start copying integer `values` to the host; _finish_read waits for them. On a GPU the copy
-    is queued into pinned memory and an event recorded after it: kernels queued after this call
-    (permute's) run while the host waits for the copy alone."""
+    is queued into pinned memory and a side stream waits for it: kernels queued after this call
+    (permute's) run while the host waits on the side stream, which waits for the copy alone (and
+    torch's sync debug mode sees the wait, which an event's would hide)."""
     if values.device.type != "cuda":
         return values, None
     key = values.device, values.dtype
-    event, host = _READ_BACK.get(key, (None, None))
-    if event is None or host.shape[0] < values.numel():
-        event = torch.cuda.Event() if event is None else event
+    side, host = _READ_BACK.get(key, (None, None))
+    if side is None or host.shape[0] < values.numel():
+        side = torch.cuda.Stream(values.device) if side is None else side
         host = torch.empty(max(values.numel(), 1024), dtype=values.dtype, pin_memory=True)
-        _READ_BACK[key] = event, host
+        _READ_BACK[key] = side, host
     host = host[:values.numel()].view(values.shape)
     host.copy_(values, non_blocking=True)
-    event.record()
-    return (values, event), host
+    side.wait_stream(torch.cuda.current_stream(values.device))
+    return (values, side), host
 
 
 def _finish_read(reading):
