@@ -27,11 +27,11 @@ packed sends: a copy of it whose routes point at their send rows, `send_map`, dr
 
 Two modes:
 
-- dropless (recv_capacity=None): the route counts per expert are counted on the device by a pass
-  over the routing, exchanged with one small all-to-all and read back once, with the counts
-  received and the routing check (the one device-to-host read, as Megatron's all-to-all
-  dispatcher does); permute runs on the device while the host waits for them and works out the
-  split sizes. Nothing is dropped; expert ids out of range raise on every rank
+- dropless (recv_capacity=None): the route counts per expert are counted on the device (by
+  permute's routing kernel where permute's rows are known before the counts, else by a pass over
+  the routing), exchanged with one small all-to-all and read back once, with the counts received
+  and the routing check (the one device-to-host read, as Megatron's all-to-all dispatcher does);
+  permute's rows move while the host waits for them and works out the split sizes. Nothing is dropped; expert ids out of range raise on every rank
   (check_routing=False skips it).
 - fixed capacity (recv_capacity=C): C is per rank pair. Each rank sends every other rank (and
   itself) exactly C rows, so all split sizes are static: nothing is read back and nothing is
