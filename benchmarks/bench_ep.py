@@ -167,6 +167,10 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     assert torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2 * float(ours.abs().max())), "PyTorch combine disagrees"
     single = mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=N * k)
     single_out = torch.randn(single.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
+    # Capacity mode's rows on one GPU: permute capped at the rows a capacity dispatch moves (its
+    # kept rows, then zero rows), and unpermute over that map.
+    single_cap = mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=world * capacity)
+    single_cap_out = torch.randn(single_cap.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
     grad_single = torch.randn(single.tokens.shape, device=DEVICE, generator=g).to(torch.bfloat16)
     sort_table = regroup_table(mod, res.tokens_per_expert, 8)
     copy_src = res.tokens.clone()
@@ -205,6 +209,8 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
         "torch_combine": lambda: torch_combine(expert_out, nat_state, probs, group, world),
         "permute": lambda: mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=N * k),
         "unpermute": lambda: mod.unpermute(single_out, single.row_id_map, probs),
+        "permute_capacity": lambda: mod.permute(tokens, ids, probs, num_experts=E, num_out_tokens=world * capacity),
+        "unpermute_capacity": lambda: mod.unpermute(single_cap_out, single_cap.row_id_map, probs),
         "permute_backward": lambda: torch.autograd.grad([sp.tokens, sp.probs], [t_in, p_in],
                                                         [grad_single, single.probs], retain_graph=True),
         "unpermute_backward": lambda: torch.autograd.grad(su, [u_in, m_in], grad_tokens_out, retain_graph=True),
@@ -226,8 +232,8 @@ def summarise(r):
     beyond = {op: t[op] - t["a2a_capacity" if op.endswith("capacity") else "a2a"]
               for op in ("dispatch", "combine", "dispatch_capacity", "combine_capacity", "dispatch_backward",
                          "combine_backward")}
-    single = dict(dispatch="permute", combine="unpermute", dispatch_capacity="permute",
-                  combine_capacity="unpermute", dispatch_backward="permute_backward",
+    single = dict(dispatch="permute", combine="unpermute", dispatch_capacity="permute_capacity",
+                  combine_capacity="unpermute_capacity", dispatch_backward="permute_backward",
                   combine_backward="unpermute_backward")
     out = {f"{op}_beyond_a2a_us": round(b, 1) for op, b in beyond.items()}
     out.update({f"{op}_beyond_over_{single[op]}": round(b / t[single[op]], 2) for op, b in beyond.items()})
@@ -261,7 +267,8 @@ COLUMNS = [("a2a", "a2a"), ("a2a_capacity", "a2a cap"), ("dispatch", "dispatch")
            ("combine", "combine"),
            ("combine_capacity", "comb cap"), ("dispatch_backward", "disp bwd"), ("combine_backward", "comb bwd"),
            ("torch_dispatch", "torch disp"), ("torch_combine", "torch comb"), ("permute", "permute"),
-           ("unpermute", "unpermute"), ("permute_backward", "perm bwd"), ("unpermute_backward", "unperm bwd"),
+           ("unpermute", "unpermute"), ("permute_capacity", "perm cap"), ("unpermute_capacity", "unperm cap"),
+           ("permute_backward", "perm bwd"), ("unpermute_backward", "unperm bwd"),
            ("regroup_8_sources", "regroup"), ("copy", "copy")]
 
 
@@ -282,7 +289,8 @@ def report(results, gpu, world):
         lines.append("  beyond the a2a, as a multiple of the single-GPU pass (targets <= 1): "
                      + ", ".join(f"{op} {s[f'{op}_beyond_a2a_us']} us = {s[f'{op}_beyond_over_{ref}']}x {ref}"
                                  for op, ref in (("dispatch", "permute"), ("combine", "unpermute"),
-                                                 ("dispatch_capacity", "permute"), ("combine_capacity", "unpermute"),
+                                                 ("dispatch_capacity", "permute_capacity"),
+                                                 ("combine_capacity", "unpermute_capacity"),
                                                  ("dispatch_backward", "permute_backward"),
                                                  ("combine_backward", "unpermute_backward"))))
         lines.append(f"  vs PyTorch composition: dispatch {s['speedup_dispatch_vs_torch']}x, combine "

@@ -225,8 +225,8 @@ EP_BEYOND = (("dispatch / permute", "dispatch_beyond_over_permute"),
              ("combine / unpermute", "combine_beyond_over_unpermute"),
              ("dispatch bwd / permute bwd", "dispatch_backward_beyond_over_permute_backward"),
              ("combine bwd / unpermute bwd", "combine_backward_beyond_over_unpermute_backward"),
-             ("capacity dispatch / permute", "dispatch_capacity_beyond_over_permute"),
-             ("capacity combine / unpermute", "combine_capacity_beyond_over_unpermute"))
+             ("capacity dispatch / permute of C rows", "dispatch_capacity_beyond_over_permute_capacity"),
+             ("capacity combine / unpermute of C rows", "combine_capacity_beyond_over_unpermute_capacity"))
 
 
 def ep_times_table(ep):
