@@ -84,6 +84,19 @@ def timed(fn, group, iters, reps):
     return sorted(samples)[len(samples) // 2]
 
 
+def captured(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def torch_dispatch(tokens, ids, probs, num_experts, group, world):
     """The PyTorch-native composition (a non-fused Megatron all-to-all dispatcher)."""
     local = num_experts // world
@@ -217,6 +230,9 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
         "regroup_8_sources": lambda: mod._ops.chunk_sort.kernels.sort_chunks(sort_table, False, res.tokens, res.probs),
         "copy": lambda: copy_dst.copy_(copy_src),
     }
+    if DEVICE == "cuda":  # capacity mode as CUDA-graph users run it: no host in the loop
+        for op in ("a2a_capacity", "dispatch_capacity", "combine_capacity"):
+            ops[f"{op}_graph"] = captured(ops[op])
     times = {op: timed(fn, group, iters, reps) for op, fn in ops.items()}
     dropped = int(cap_res.handle.dropped.sum())
     dist.all_reduce(t := torch.tensor([dropped], device=DEVICE), group=group)
@@ -229,12 +245,16 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
 def summarise(r):
     t = r["time_us"]
     # Each against the bare all-to-all of its own bytes (capacity mode sends C rows per rank pair).
-    beyond = {op: t[op] - t["a2a_capacity" if op.endswith("capacity") else "a2a"]
-              for op in ("dispatch", "combine", "dispatch_capacity", "combine_capacity", "dispatch_backward",
-                         "combine_backward")}
     single = dict(dispatch="permute", combine="unpermute", dispatch_capacity="permute_capacity",
                   combine_capacity="unpermute_capacity", dispatch_backward="permute_backward",
                   combine_backward="unpermute_backward")
+    beyond = {op: t[op] - t["a2a_capacity" if op.endswith("capacity") else "a2a"]
+              for op in ("dispatch", "combine", "dispatch_capacity", "combine_capacity", "dispatch_backward",
+                         "combine_backward")}
+    for op, ref in (("dispatch_capacity", "permute_capacity"), ("combine_capacity", "unpermute_capacity")):
+        if f"{op}_graph" in t:  # replayed from a CUDA graph, beyond the replayed all-to-all
+            beyond[f"{op}_graph"] = t[f"{op}_graph"] - t["a2a_capacity_graph"]
+            single[f"{op}_graph"] = ref
     out = {f"{op}_beyond_a2a_us": round(b, 1) for op, b in beyond.items()}
     out.update({f"{op}_beyond_over_{single[op]}": round(b / t[single[op]], 2) for op, b in beyond.items()})
     out.update(speedup_dispatch_vs_torch=round(t["torch_dispatch"] / t["dispatch"], 2),
@@ -291,8 +311,11 @@ def report(results, gpu, world):
                                  for op, ref in (("dispatch", "permute"), ("combine", "unpermute"),
                                                  ("dispatch_capacity", "permute_capacity"),
                                                  ("combine_capacity", "unpermute_capacity"),
+                                                 ("dispatch_capacity_graph", "permute_capacity"),
+                                                 ("combine_capacity_graph", "unpermute_capacity"),
                                                  ("dispatch_backward", "permute_backward"),
-                                                 ("combine_backward", "unpermute_backward"))))
+                                                 ("combine_backward", "unpermute_backward"))
+                                 if f"{op}_beyond_a2a_us" in s))
         lines.append(f"  vs PyTorch composition: dispatch {s['speedup_dispatch_vs_torch']}x, combine "
                      f"{s['speedup_combine_vs_torch']}x; regroup of 8 sources' rows {s['regroup_over_copy']}x the copy")
         lines.append(f"  EP=64 over 8 nodes (paper): a2a {e['a2a_us']} us, local dispatch {e['local_dispatch_us']} us, "

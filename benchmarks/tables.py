@@ -226,7 +226,11 @@ EP_BEYOND = (("dispatch / permute", "dispatch_beyond_over_permute"),
              ("dispatch bwd / permute bwd", "dispatch_backward_beyond_over_permute_backward"),
              ("combine bwd / unpermute bwd", "combine_backward_beyond_over_unpermute_backward"),
              ("capacity dispatch / permute of C rows", "dispatch_capacity_beyond_over_permute_capacity"),
-             ("capacity combine / unpermute of C rows", "combine_capacity_beyond_over_unpermute_capacity"))
+             ("capacity combine / unpermute of C rows", "combine_capacity_beyond_over_unpermute_capacity"),
+             ("capacity dispatch, graph replay / permute of C rows",
+              "dispatch_capacity_graph_beyond_over_permute_capacity"),
+             ("capacity combine, graph replay / unpermute of C rows",
+              "combine_capacity_graph_beyond_over_unpermute_capacity"))
 
 
 def ep_times_table(ep):
