@@ -144,8 +144,8 @@ class NkiBackend:
         return neuron_ops.define_op(qualname, impl, schema)
 
     @staticmethod
-    def chunk_sort(kernels):
-        return chunk_sort(kernels)
+    def chunk_sort():
+        return chunk_sort()
 
     # -- launches -------------------------------------------------------------------------------
 
@@ -316,18 +316,15 @@ class NkiChunkKernels:
         return out[:, :hidden], out_probs.reshape(num_rows)
 
 
-_CHUNK_SORTS = {}  # the chunk sort kernels -> their ChunkSort (one per set of kernels: ops are registered once)
+_CHUNK_SORT = None  # made on first use; every variant shares it, so its ops are registered once
 
 
-def chunk_sort(kernels=None) -> ChunkSort:
-    """The NKI target's chunk sort over these kernels (rows, rows with probs), by default
-    permgen.nki_kernels'."""
-    if kernels is None:
-        from . import nki_kernels
-        kernels = (nki_kernels.sort_chunks, nki_kernels.sort_chunks_probs)
-    found = _CHUNK_SORTS.get(kernels)
-    if found is None:
+def chunk_sort() -> ChunkSort:
+    """The NKI target's chunk sort (permgen.nki_kernels' row gathers), the same for every variant."""
+    global _CHUNK_SORT
+    if _CHUNK_SORT is None:
         import nki
-        rows_kernel, rows_and_probs_kernel = (*kernels, None)[:2]
-        found = _CHUNK_SORTS[kernels] = ChunkSort(NkiChunkKernels(rows_kernel, rows_and_probs_kernel, nki.simulate))
-    return found
+
+        from . import nki_kernels
+        _CHUNK_SORT = ChunkSort(NkiChunkKernels(nki_kernels.sort_chunks, nki_kernels.sort_chunks_probs, nki.simulate))
+    return _CHUNK_SORT

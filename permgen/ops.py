@@ -96,8 +96,8 @@ class Backend(Protocol):
 
     def unpermute_backward(self, row_id_map: RowIdMap, grad_out, permuted, merging_probs) -> Grads: ...
 
-    def chunk_sort(self, kernels: tuple) -> "ChunkSort":
-        """The target's chunk sort over these kernels (one ChunkSort per set of kernels)."""
+    def chunk_sort(self) -> "ChunkSort":
+        """The target's chunk sort: one ChunkSort, which every variant shares."""
 
 
 class ChunkKernels(Protocol):
@@ -384,7 +384,7 @@ class Ops(_Registered):
     def __init__(self, variant, backend: Backend):
         self.variant = Variant.of(variant).bind_torch()  # torch dtypes looked up before any call is traced
         self.backend = backend
-        self.chunk_sort = None  # bind_sort_chunks
+        self.chunk_sort = backend.chunk_sort()  # the target's, the same for every variant
         self.name = self.variant.name
         self.define = getattr(backend, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
         super().__init__(_prefix(backend.target, self.name))
@@ -627,11 +627,6 @@ class Ops(_Registered):
             return calls["unpermute"](permuted, row_id_map.row_map, merging_probs, row_id_map.num_tokens,
                                       row_id_map.width, row_id_map.num_experts)
         return self.backend.unpermute(row_id_map, permuted, merging_probs)
-
-    def bind_sort_chunks(self, *kernels):
-        """Sort chunks with these kernels: the target's shared ones (every module binds the same, so
-        one set of ops serves them all), or a vendored file's own copies."""
-        self.chunk_sort = self.backend.chunk_sort(kernels)
 
     def sort_chunks(self, tokens, split_sizes, sorted_idxs, probs=None):
         """Split the rows of tokens [N, H] into chunks of split_sizes (they sum to N) and concatenate

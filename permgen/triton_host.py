@@ -3,7 +3,8 @@
 A generated module hands its kernels to `TritonBackend` (a permgen.ops.Backend); `permgen.ops`
 checks arguments and adds autograd on top. Launch geometry (route tiles, row blocks, register caps)
 lives here as tuning numbers; what a variant specialises is in its kernels. The chunk sort and the
-row gather, which no variant changes, are `TritonChunkKernels` over permgen.triton_kernels.
+row gather, which no variant changes, are `TritonChunkKernels` over permgen.triton_kernels (one
+`chunk_sort()` for all).
 """
 
 import functools
@@ -17,6 +18,7 @@ from triton.runtime.jit import JITFunction
 
 from .ops import ChunkSort, Grads, PermuteOutputs
 from .results import RowMapLayout
+from .triton_kernels import chunk_table_kernel, gather_rows_kernel, sort_chunks_kernel, sort_chunks_probs_kernel
 from .variant import Variant
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
@@ -180,8 +182,8 @@ class TritonBackend:
         self.device_type = "cuda" if isinstance(kernels.route, JITFunction) else "cpu"
 
     @staticmethod
-    def chunk_sort(kernels):
-        return chunk_sort(kernels)
+    def chunk_sort():
+        return chunk_sort()
 
     def check_device(self, tokens):
         if tokens.device.type != self.device_type:
@@ -429,14 +431,14 @@ class TritonBackend:
 
 class TritonChunkKernels:
     """The chunk sort and the row gather, for every dtype (permgen.ops.ChunkKernels): kernels that
-    depend on no variant (permgen.triton_kernels, or a vendored file's copies)."""
+    depend on no variant (permgen.triton_kernels')."""
 
     target = "triton"
 
-    def __init__(self, table_kernel, gather_kernel, sort_kernel, sort_probs_kernel):
-        self.table_kernel, self.gather_kernel = table_kernel, gather_kernel
-        self.sort_kernels = (sort_kernel, sort_probs_kernel)
-        self.device_type = "cuda" if isinstance(table_kernel, JITFunction) else "cpu"
+    def __init__(self):
+        self.table_kernel, self.gather_kernel = chunk_table_kernel, gather_rows_kernel
+        self.sort_kernels = (sort_chunks_kernel, sort_chunks_probs_kernel)
+        self.device_type = "cuda" if isinstance(chunk_table_kernel, JITFunction) else "cpu"
 
     def check_device(self, tokens):
         if tokens.device.type != self.device_type:
@@ -501,16 +503,12 @@ class TritonChunkKernels:
         return Launch(self.gather_kernel, num_rows, dict(BLOCK_H=_row_block(dtypes[0]), num_warps=_NUM_WARPS))
 
 
-_CHUNK_SORTS = {}  # the chunk sort kernels -> their ChunkSort (one per set of kernels: ops are registered once)
+_CHUNK_SORT = None  # made on first use; every variant shares it, so its ops are registered once
 
 
-def chunk_sort(kernels=None) -> ChunkSort:
-    """The Triton target's chunk sort over these kernels (table, gather, sort, sort with probs), by
-    default permgen.triton_kernels'."""
-    if kernels is None:
-        from . import triton_kernels as k
-        kernels = (k.chunk_table_kernel, k.gather_rows_kernel, k.sort_chunks_kernel, k.sort_chunks_probs_kernel)
-    found = _CHUNK_SORTS.get(kernels)
-    if found is None:
-        found = _CHUNK_SORTS[kernels] = ChunkSort(TritonChunkKernels(*kernels))
-    return found
+def chunk_sort() -> ChunkSort:
+    """The Triton target's chunk sort (permgen.triton_kernels' kernels), the same for every variant."""
+    global _CHUNK_SORT
+    if _CHUNK_SORT is None:
+        _CHUNK_SORT = ChunkSort(TritonChunkKernels())
+    return _CHUNK_SORT
