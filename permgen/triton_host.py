@@ -1,14 +1,14 @@
 """The Triton target's host side, written once for every variant: allocation and launches.
 
-A generated module hands its kernels to `TritonBackend` (a permgen.ops.Backend); `permgen.ops`
+A generated module hands its permute kernel to `TritonBackend` (a permgen.ops.Backend), which
+launches it beside the kernels no variant axis changes (permgen.triton_kernels': the routing plan,
+unpermute and the backward passes, each taking the routing kind as the constexpr MASK); `permgen.ops`
 checks arguments and adds autograd on top. Launch geometry (route tiles, row blocks, register caps)
-lives here as tuning numbers; what a variant specialises is in its kernels. The chunk sort and the
-row gather, which no variant changes, are `TritonChunkKernels` over permgen.triton_kernels (one
-`chunk_sort()` for all).
+lives here as tuning numbers; what a variant specialises is in its permute kernel. The chunk sort and
+the row gather, which no variant changes either, are `TritonChunkKernels` (one `chunk_sort()` for all).
 """
 
 import functools
-from typing import NamedTuple, Optional
 
 import torch
 from triton import knobs
@@ -18,7 +18,10 @@ from triton.runtime.jit import JITFunction
 
 from .ops import ChunkSort, Grads, PermuteOutputs
 from .results import RowMapLayout
-from .triton_kernels import chunk_table_kernel, gather_rows_kernel, sort_chunks_kernel, sort_chunks_probs_kernel
+from .triton_kernels import (chunk_table_kernel, gather_rows_kernel, index_route_kernel, mask_route_kernel,
+                             permute_backward_kernel, route_prob_grads_kernel, scatter_routes_kernel,
+                             sort_chunks_kernel, sort_chunks_probs_kernel, sum_routes_kernel,
+                             unpermute_backward_kernel, unpermute_kernel)
 from .variant import Variant
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
@@ -35,19 +38,6 @@ _TAIL_ROWS_PER_PROGRAM = 64  # rows past the last segment are zeroed by up to M 
 _CHUNK_TABLE_BLOCK = 1024  # chunks per step of the chunk table's one program
 _CHUNK_TILE_BYTES = 4096  # the chunk sort copies 4 KiB of a row (or whole rows, if shorter) per step
 _GEOMETRIES = 1024  # launch geometries kept per kernel family (lru_cache)
-
-
-class TritonKernels(NamedTuple):
-    """One variant's kernels (the probs kernels only in variants with probs)."""
-
-    route: JITFunction
-    permute: JITFunction
-    sum_routes: JITFunction
-    scatter_routes: JITFunction
-    unpermute: Optional[JITFunction] = None
-    permute_backward: Optional[JITFunction] = None
-    route_prob_grads: Optional[JITFunction] = None  # permute's backward for the probs alone
-    unpermute_backward: Optional[JITFunction] = None
 
 
 def _pow2(n):
@@ -169,17 +159,19 @@ def _geometry(method):
 
 
 class TritonBackend:
-    """Allocates and launches one variant's kernels (permgen.ops.Backend)."""
+    """Allocates and launches one variant's kernels (permgen.ops.Backend): its permute kernel, and
+    permgen.triton_kernels' for the rest."""
 
     target = "triton"
 
-    def __init__(self, variant, kernels: TritonKernels):
+    def __init__(self, variant, permute_kernel: JITFunction):
         self.variant = Variant.of(variant).bind_torch()
-        self.kernels = kernels
+        self.permute_kernel = permute_kernel
+        self.route_kernel = mask_route_kernel if self.variant.mask else index_route_kernel
         self.name = self.variant.name
         # Compiled kernels run on CUDA tensors; under TRITON_INTERPRET=1 they run on CPU tensors.
         # Decided once: torch.compile traces check_device, and cannot trace an isinstance of a kernel.
-        self.device_type = "cuda" if isinstance(kernels.route, JITFunction) else "cpu"
+        self.device_type = "cuda" if isinstance(permute_kernel, JITFunction) else "cpu"
 
     @staticmethod
     def chunk_sort():
@@ -231,7 +223,7 @@ class TritonBackend:
     def _routing_launch(self, num_tokens, width, num_experts, cap, routing_dtype):
         """(Launch, scratch words, row map layout) of the routing kernel."""
         num_blocks, scratch_words, meta = self._routing_meta(num_tokens, width, num_experts)
-        return (Launch(self.kernels.route, num_blocks, dict(meta, num_warps=_ROUTE_WARPS)), scratch_words,
+        return (Launch(self.route_kernel, num_blocks, dict(meta, num_warps=_ROUTE_WARPS)), scratch_words,
                 RowMapLayout(self.variant.mask, num_tokens, width, num_experts))
 
     def _zero_programs(self, num_experts, num_rows, tail):
@@ -267,16 +259,17 @@ class TritonBackend:
             meta.update(BLOCK_S=min(_pow2(v.scale_columns(hidden)), 256), HARDWARE_CAST=self.device_type == "cuda")
         meta.update(zero_meta, num_warps=_NUM_WARPS)
         programs = zero_programs + num_tokens
-        return (Launch(self.kernels.permute, programs, meta) if programs else None), num_blocks, zero_programs, \
+        return (Launch(self.permute_kernel, programs, meta) if programs else None), num_blocks, zero_programs, \
             tail_programs
 
     def _route_meta(self, width, num_experts, num_tokens, num_rows, prob_grads):
-        """K, ROUTES and E of a kernel that visits each token's route slots, and E_POW2 where it writes
-        prob grads (prob_grads; mask routing zeroes rows of E of them). Every variant's kernels take
-        them (permgen.triton_kernels' helpers), used or not."""
+        """K, ROUTES, E and the routing kind (MASK) of a kernel that visits each token's route slots
+        (permgen.triton_kernels' gathers and scatters take them all, used or not), and E_POW2 where it
+        writes prob grads (prob_grads; mask routing zeroes rows of E of them)."""
         meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts)
         if prob_grads:
             meta.update(E_POW2=_pow2(num_experts))
+        meta.update(MASK=self.variant.mask)
         return meta
 
     @_geometry
@@ -285,14 +278,14 @@ class TritonBackend:
         tensors' that may vary."""
         meta = self._route_meta(width, num_experts, num_tokens, num_rows, prob_grads)
         meta.update(BLOCK_H=_row_block(dtypes[0]), num_warps=_NUM_WARPS, maxnreg=_register_cap(meta["ROUTES"]))
-        return Launch(getattr(self.kernels, kernel), num_tokens, meta)
+        return Launch(kernel, num_tokens, meta)
 
     @_geometry
     def _prob_grads_launch(self, width, num_experts, num_tokens, num_rows, dtypes):
         """The prob grads' alone (permute backward of fp8 tokens)."""
         meta = self._route_meta(width, num_experts, num_tokens, num_rows, True)
         meta.update(num_warps=_NUM_WARPS)
-        return Launch(self.kernels.route_prob_grads, num_tokens, meta)
+        return Launch(route_prob_grads_kernel, num_tokens, meta)
 
     @_geometry
     def _scatter_launch(self, kernel, width, num_experts, num_tokens, num_rows, hidden, dtypes, weighted):
@@ -303,7 +296,7 @@ class TritonBackend:
         meta.update(BLOCK_H=_row_block(dtypes[0]), **zero_meta, num_warps=_NUM_WARPS,
                     maxnreg=_register_cap(meta["ROUTES"], scatter=True))
         programs = zero_programs + num_tokens
-        return (Launch(getattr(self.kernels, kernel), programs, meta) if programs else None), zero_programs, \
+        return (Launch(kernel, programs, meta) if programs else None), zero_programs, \
             tail_programs
 
     # -- ops ---------------------------------------------------------------------------------------
@@ -367,12 +360,12 @@ class TritonBackend:
         if num_tokens and hidden:  # the gathers assume a column
             index = permuted.get_device()
             if merging_probs is not None:
-                launch = self._gather_launch("unpermute", row_id_map.width, row_id_map.num_experts, num_tokens,
+                launch = self._gather_launch(unpermute_kernel, row_id_map.width, row_id_map.num_experts, num_tokens,
                                              row_id_map.num_rows, hidden, (permuted.dtype, merging_probs.dtype), False)
                 launch(index, _aligned(permuted, row_map, merging_probs), permuted, row_map, merging_probs, out,
                        num_tokens, row_id_map.num_rows, hidden)
             else:
-                launch = self._gather_launch("sum_routes", row_id_map.width, row_id_map.num_experts, num_tokens,
+                launch = self._gather_launch(sum_routes_kernel, row_id_map.width, row_id_map.num_experts, num_tokens,
                                              row_id_map.num_rows, hidden, (permuted.dtype,), False)
                 launch(index, _aligned(permuted, row_map), permuted, row_map, out, num_tokens, row_id_map.num_rows,
                        hidden)
@@ -393,7 +386,7 @@ class TritonBackend:
             if num_tokens and grad_out is not None and grad_out.shape[1]:
                 # One launch for both: the prob grads ride along with the row sums (which assume a column).
                 hidden = grad_out.shape[1]
-                launch = self._gather_launch("permute_backward", *sizes, hidden,
+                launch = self._gather_launch(permute_backward_kernel, *sizes, hidden,
                                              (grad_out.dtype, grad_out_probs.dtype, dtype), True)
                 launch(index, _aligned(grad_out, row_map, grad_out_probs), grad_out, row_map, grad_out_probs,
                        grad_probs, grad_tokens, num_tokens, num_rows, hidden)
@@ -403,7 +396,7 @@ class TritonBackend:
                        num_rows)
         elif grad_out is not None and num_tokens and grad_out.shape[1]:
             hidden = grad_out.shape[1]
-            launch = self._gather_launch("sum_routes", *sizes, hidden, (grad_out.dtype,), False)
+            launch = self._gather_launch(sum_routes_kernel, *sizes, hidden, (grad_out.dtype,), False)
             launch(grad_out.get_device(), _aligned(grad_out, row_map), grad_out, row_map, grad_tokens, num_tokens,
                    num_rows, hidden)
         return Grads(grad_tokens, grad_probs)
@@ -417,12 +410,13 @@ class TritonBackend:
         if merging_probs is not None:
             grad_probs = torch.empty(merging_probs.shape, dtype=merging_probs.dtype, device=grad_out.device)
             launch, zero_programs, tail_programs = self._scatter_launch(
-                "unpermute_backward", *sizes, (grad_out.dtype, merging_probs.dtype, permuted.dtype), True)
+                unpermute_backward_kernel, *sizes, (grad_out.dtype, merging_probs.dtype, permuted.dtype), True)
             if launch is not None:
                 launch(index, _aligned(grad_out, row_map, merging_probs, permuted), grad_out, row_map, merging_probs,
                        permuted, grad_probs, grad_permuted, num_tokens, num_rows, hidden, zero_programs, tail_programs)
             return Grads(grad_permuted, grad_probs)
-        launch, zero_programs, tail_programs = self._scatter_launch("scatter_routes", *sizes, (grad_out.dtype,), False)
+        launch, zero_programs, tail_programs = self._scatter_launch(scatter_routes_kernel, *sizes, (grad_out.dtype,),
+                                                                    False)
         if launch is not None:
             launch(index, _aligned(grad_out, row_map), grad_out, row_map, grad_permuted, num_tokens, num_rows, hidden,
                    zero_programs, tail_programs)

@@ -1,10 +1,12 @@
 """The Triton kernels and helpers no variant axis changes, written once.
 
-Each generated module (generated/triton/<variant>.py) imports what it uses from here; `python -m
-generator vendor` inlines them into its self-contained file. What a variant's axes change (its
-routing, probs, scales, padding, quantisation) stays in the template; what differs only by a
+permgen.triton_host launches the kernels here for every variant (the routing plan, unpermute, the
+backward passes, the chunk sort, the row gather); each generated module (generated/triton/<variant>.py)
+holds its permute kernel and imports the helpers it calls from here; `python -m generator vendor`
+inlines them into its self-contained file. What a variant's axes change (its probs, scales and
+quantisation: permute's data movement and signature) stays in the template; what differs only by a
 constant is a `tl.constexpr` here, and Triton compiles the branch not taken away: PAD = 0 and
-PAD_GROUPS = 0 mean no padding, MASK selects mask routing's row map.
+PAD_GROUPS = 0 mean no padding, MASK selects mask routing's row map and kernels.
 
 Triton specialises each kernel on its pointers' dtypes, so one kernel serves every dtype.
 """
@@ -48,8 +50,26 @@ def live_routes(row_map_ptr, token, num_tokens, K: tl.constexpr, MASK: tl.conste
 
 
 # ----------------------------------------------------------------------------------------------
-# Routing's last step: the last routing program to finish lays out the expert segments.
+# Routing, one launch: each program counts its block's routes per expert (under mask routing it
+# also ranks every route among the block's earlier routes to the same expert); the last program to
+# finish lays out the expert segments. A route's row is then its segment's start + the routes to its
+# expert in earlier blocks + its rank in the block, which the permute kernel finds (place_routes).
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def scratch_parts(scratch_ptr, num_blocks, num_tokens, K: tl.constexpr, E: tl.constexpr, MASK: tl.constexpr):
+    """(ticket, block counts [num_blocks, E], ranks [N, K], block drops [num_blocks]) pointers into
+    permute's routing scratch. Only mask routing's scratch holds the ranks (index routing's permute
+    finds them): there they are the block drops' pointer, which no index routing kernel reads as ranks."""
+    block_counts_ptr = scratch_ptr + 1
+    if MASK:
+        ranks_ptr = block_counts_ptr + num_blocks * E
+        block_drops_ptr = ranks_ptr + num_tokens * K
+    else:
+        block_drops_ptr = block_counts_ptr + num_blocks * E
+        ranks_ptr = block_drops_ptr
+    return scratch_ptr, block_counts_ptr, ranks_ptr, block_drops_ptr
 
 
 @triton.jit
@@ -97,6 +117,182 @@ def plan_segments(
     tl.store(segment_counts_ptr + E + 1, no_slot)
 
 
+@triton.jit
+def plan_segments_when_counted(
+    ticket_ptr,  # int32, zero on entry: the routing programs that have counted their block
+    block_counts_ptr,
+    block_drops_ptr,
+    segment_offsets_ptr,
+    segment_counts_ptr,
+    tokens_per_expert_ptr,
+    num_blocks,
+    num_rows,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    """A routing program's last step, once its block is counted: the last program to get here lays
+    out the segments (plan_segments) from every block's counts."""
+    tl.debug_barrier()
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_blocks - 1:
+        plan_segments(block_counts_ptr, block_drops_ptr, segment_offsets_ptr, segment_counts_ptr, tokens_per_expert_ptr,
+                      num_blocks, num_rows, E, E_POW2, CHUNK_BLOCKS, PAD)
+        # Every other program has taken its ticket: leave it at zero for the next launch.
+        tl.store(ticket_ptr, 0)
+
+
+@triton.jit
+def mask_route_kernel(
+    mask_ptr,  # [N, E] routing mask, nonzero = routed
+    row_map_ptr,  # int32 out: the experts, route counts and segment table (permute writes the dst rows)
+    tokens_per_expert_ptr,  # int64 [E] out
+    scratch_ptr,  # int32: a ticket (zero on entry, left at zero), block counts, ranks, block drops (scratch_parts)
+    num_tokens,
+    num_blocks,
+    num_rows,
+    K: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    EXPERT_CHUNK: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,
+    PAD: tl.constexpr,  # segment lengths round up to a multiple of PAD; 0: no padding
+):
+    """Mask routing's plan. Each program writes its tokens' experts in ascending order and their route
+    counts, ranks each route among the block's earlier routes to the same expert and counts the
+    block's routes per expert; block drops: its routes past the first K of their token."""
+    block = tl.program_id(0)
+    _, segment_offsets_ptr, segment_counts_ptr = row_map_parts(row_map_ptr, num_tokens, K, E, MASK=True)
+    ticket_ptr, block_counts_ptr, ranks_ptr, block_drops_ptr = scratch_parts(scratch_ptr, num_blocks, num_tokens, K, E,
+                                                                             MASK=True)
+    experts_ptr, route_counts_ptr = token_routes(row_map_ptr, num_tokens, K)
+    token = block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    token_ok = token < num_tokens
+    token_row = token.to(tl.int64)
+    seen = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)  # routes found so far = slot of the next one
+    for e0 in range(0, E, EXPERT_CHUNK):
+        expert = e0 + tl.arange(0, EXPERT_CHUNK)
+        routed = tl.load(
+            mask_ptr + token_row[:, None] * E + expert[None, :],
+            mask=token_ok[:, None] & (expert < E)[None, :],
+            other=0,
+        ) != 0
+        slot = seen[:, None] + tl.cumsum(routed.to(tl.int32), axis=1) - 1
+        # Only the first K routes of a token have a slot (K < E only under a topk hint).
+        kept = (routed & (slot < K)).to(tl.int32)
+        rank = tl.cumsum(kept, axis=0) - kept  # earlier tokens of the block routed to this expert
+        tl.store(experts_ptr + token_row[:, None] * K + slot, expert[None, :] + tl.zeros_like(slot), mask=kept != 0)
+        tl.store(ranks_ptr + token_row[:, None] * K + slot, rank, mask=kept != 0)
+        tl.store(block_counts_ptr + block * E + expert, tl.sum(kept, axis=0), mask=expert < E)
+        seen += tl.sum(routed.to(tl.int32), axis=1)
+    count = tl.minimum(seen, K)
+    tl.store(route_counts_ptr + token, count, mask=token_ok)
+    tl.store(block_drops_ptr + block, tl.sum(seen - count, axis=0))
+    plan_segments_when_counted(ticket_ptr, block_counts_ptr, block_drops_ptr, segment_offsets_ptr, segment_counts_ptr,
+                               tokens_per_expert_ptr, num_blocks, num_rows, E, E_POW2, CHUNK_BLOCKS, PAD)
+
+
+@triton.jit
+def index_route_kernel(
+    experts_ptr,  # [N, K] expert id per route
+    row_map_ptr,  # int32 out: the segment table (permute writes the dst rows)
+    tokens_per_expert_ptr,  # int64 [E] out
+    scratch_ptr,  # int32: a ticket (zero on entry, left at zero), block counts, block drops (scratch_parts)
+    num_tokens,
+    num_blocks,
+    num_rows,
+    K: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_ROUTES: tl.constexpr,  # power of two >= BLOCK_TOKENS * K
+    BINS: tl.constexpr,  # power of two > E + 1: bin E collects the -1 ids (no route), bin E + 1 ids out of range
+    CHUNK_BLOCKS: tl.constexpr,
+    PAD: tl.constexpr,  # segment lengths round up to a multiple of PAD; 0: no padding
+):
+    """Index routing's plan. Each program counts its block's routes per expert; block drops: its
+    routes with ids outside [-1, E). The permute kernel ranks the routes."""
+    block = tl.program_id(0)
+    _, segment_offsets_ptr, segment_counts_ptr = row_map_parts(row_map_ptr, num_tokens, K, E, MASK=False)
+    ticket_ptr, block_counts_ptr, _, block_drops_ptr = scratch_parts(scratch_ptr, num_blocks, num_tokens, K, E,
+                                                                     MASK=False)
+    offs = tl.arange(0, BLOCK_ROUTES)
+    route = block * BLOCK_TOKENS * K + offs
+    in_block = (offs < BLOCK_TOKENS * K) & (route < num_tokens * K)
+    expert = tl.load(experts_ptr + route, mask=in_block, other=-1)
+    # Compared before the cast: an int64 id past int32 is out of range, not some expert.
+    expert = tl.where((expert >= 0) & (expert < E), expert, tl.where(expert == -1, E, E + 1)).to(tl.int32)
+    bins = tl.arange(0, BINS)
+    histogram = tl.histogram(expert, BINS)
+    tl.store(block_counts_ptr + block * E + bins, histogram, mask=bins < E)
+    tl.store(block_drops_ptr + block, tl.sum(tl.where(bins == E + 1, histogram, 0), axis=0))
+    plan_segments_when_counted(ticket_ptr, block_counts_ptr, block_drops_ptr, segment_offsets_ptr, segment_counts_ptr,
+                               tokens_per_expert_ptr, num_blocks, num_rows, E, E_POW2, CHUNK_BLOCKS, PAD)
+
+
+# ----------------------------------------------------------------------------------------------
+# permute: one program per token finds its routes' rows and writes them to the row map, then copies
+# the token's row (probs, scales) to them. The variant's kernel does the copy, which its axes shape.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def place_routes(experts_ptr, dst_rows_ptr, segment_offsets_ptr, block_offsets_ptr, token, block, s0, live, num_rows,
+                 K: tl.constexpr, ROUTES: tl.constexpr, E: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                 MASK: tl.constexpr, ranks_ptr=None, BLOCK_ROUTES: tl.constexpr = None, probs_ptr=None,
+                 out_probs_ptr=None):
+    """(dst row, kept) of the token's slots s0 .. s0 + ROUTES - 1 (live: the token's routes; block:
+    its routing block, token // BLOCK_TOKENS): each route's row, stored into the row map (-1 where
+    the route is not kept), and with probs_ptr the route's prob moved to out_probs at its row. The
+    probs are [N, E] under mask routing, [N, K] under index routing.
+
+    A route's rank among its block's earlier routes to the same expert is the routing kernel's under
+    mask routing (ranks_ptr); under index routing it is found here, from the ids of the block's
+    BLOCK_ROUTES route slots (BLOCK_ROUTES: a power of two >= BLOCK_TOKENS * K)."""
+    slot = s0 + tl.arange(0, ROUTES)
+    route = token * K + slot
+    # Every slot of the row map is loaded, and only then masked by the count: the loads, and the
+    # segment offsets' after them, need not wait for it. Past the count an expert is any number.
+    expert = tl.load(experts_ptr + route, mask=slot < K, other=-1).to(tl.int32)
+    known = (expert >= 0) & (expert < E)
+    valid = (slot < live) & known
+    if MASK:
+        rank = tl.load(ranks_ptr + route, mask=slot < K, other=0)  # beside the expert, not after it
+    else:
+        # Rank of each route among the earlier routes of its block that go to the same expert.
+        block_route = block * BLOCK_TOKENS * K + tl.arange(0, BLOCK_ROUTES)
+        block_expert = tl.load(experts_ptr + block_route, mask=block_route < token * K + K, other=-1).to(tl.int32)
+        earlier_same = (block_route[None, :] < route[:, None]) & (block_expert[None, :] == expert[:, None])
+        rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+    # Segment starts are clipped to the row cap, so a route past the cap stays past it.
+    expert_safe = tl.where(known, expert, 0)
+    dst = (tl.load(segment_offsets_ptr + expert_safe, mask=known, other=0)
+           + tl.load(block_offsets_ptr + block * E + expert_safe, mask=known, other=0)
+           + rank)
+    kept = valid & (dst < num_rows)
+    tl.store(dst_rows_ptr + route, tl.where(kept, dst, -1), mask=slot < live)
+    if probs_ptr is not None:
+        if MASK:
+            prob = tl.load(probs_ptr + token.to(tl.int64) * E + expert_safe, mask=kept)
+        else:
+            prob = tl.load(probs_ptr + route, mask=kept)
+        tl.store(out_probs_ptr + dst, prob, mask=kept)
+    return dst, kept
+
+
+@triton.jit
+def copy_row_to_routes(src, out_ptr, dst, kept, width, ROUTES: tl.constexpr, BLOCK: tl.constexpr):
+    """The row at src (width entries) to the rows dst of out where kept, a tile of ROUTES: permute's
+    copy of a token's row, or of its scales."""
+    dst_row = dst.to(tl.int64)[:, None] * width
+    for c0 in range(0, width, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        x = tl.load(src + col, mask=col < width)
+        tl.store(out_ptr + dst_row + col[None, :], tl.broadcast_to(x[None, :], (ROUTES, BLOCK)),
+                 mask=kept[:, None] & (col < width)[None, :])
+
+
 # ----------------------------------------------------------------------------------------------
 # Rows that no route writes (pad rows, rows past the last segment) must read as exact zeros.
 # The first programs of the permute and unpermute-backward grids write them.
@@ -134,6 +330,22 @@ def zero_row(ptr, row, width, BLOCK: tl.constexpr):
     for c0 in range(0, width, BLOCK):
         col = c0 + tl.arange(0, BLOCK)
         tl.store(base + col, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=col < width)
+
+
+@triton.jit
+def zero_rows(program, segment_offsets_ptr, segment_counts_ptr, num_rows, tail_programs, out_ptr, hidden,
+              E: tl.constexpr, BLOCK_H: tl.constexpr, PAD_GROUPS: tl.constexpr, PAD_ROWS_PER_PROGRAM: tl.constexpr,
+              out_probs_ptr=None, out_scale_ptr=None, scale_width=None, BLOCK_S: tl.constexpr = None):
+    """Zero the rows this zeroing program owns (zero_rows_of_program) in out [M, hidden] and, where
+    given, in the probs [M] and scales [M, scale_width] beside it."""
+    begin, end, step = zero_rows_of_program(program, segment_offsets_ptr, segment_counts_ptr, num_rows, E, PAD_GROUPS,
+                                            PAD_ROWS_PER_PROGRAM, tail_programs)
+    for row in range(begin, end, step):
+        zero_row(out_ptr, row, hidden, BLOCK_H)
+        if out_probs_ptr is not None:
+            zero_row(out_probs_ptr, row, 1, 2)
+        if out_scale_ptr is not None:
+            zero_row(out_scale_ptr, row, scale_width, BLOCK_S)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,21 +481,6 @@ def gather_rows_kernel(
         tl.store(dst + h0 + cols, tl.load(src + h0 + cols, mask=inside), mask=inside)
 
 
-@triton.jit
-def scratch_parts(scratch_ptr, num_blocks, num_tokens, K: tl.constexpr, E: tl.constexpr, MASK: tl.constexpr):
-    """(ticket, block counts [num_blocks, E], ranks [N, K], block drops [num_blocks]) pointers into
-    permute's routing scratch. Only mask routing's scratch holds the ranks (index routing's permute
-    finds them): there they are the block drops' pointer, which no index routing kernel reads as ranks."""
-    block_counts_ptr = scratch_ptr + 1
-    if MASK:
-        ranks_ptr = block_counts_ptr + num_blocks * E
-        block_drops_ptr = ranks_ptr + num_tokens * K
-    else:
-        block_drops_ptr = block_counts_ptr + num_blocks * E
-        ranks_ptr = block_drops_ptr
-    return scratch_ptr, block_counts_ptr, ranks_ptr, block_drops_ptr
-
-
 # ----------------------------------------------------------------------------------------------
 # A token's routes, as the gathers and scatters visit them: a tile of ROUTES slots at a time.
 # Index routing visits a token's K slots as one tile of ROUTES >= K; mask routing its live routes
@@ -409,6 +606,49 @@ def sum_rows(rows_ptr, row_map_ptr, probs_ptr, out_ptr, token, live, dst, kept, 
         sum_route_tile(rows_ptr, dst, kept, prob_offset, probs_ptr, out_ptr, token, hidden, BLOCK_H, True, MASK)
 
 
+@triton.jit
+def sum_routes_kernel(
+    rows_ptr,  # [M, H]
+    row_map_ptr,  # int32
+    out_ptr,  # [N, H]
+    num_tokens,
+    num_rows,
+    hidden,
+    K: tl.constexpr,
+    ROUTES: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """out[t] = sum of t's routes' rows (unpermute without probs, and permute backward)."""
+    token = tl.program_id(0)
+    live, dst, kept, prob_offset = first_route_tile(row_map_ptr, token, num_tokens, num_rows, K, ROUTES, E, MASK)
+    sum_rows(rows_ptr, row_map_ptr, None, out_ptr, token, live, dst, kept, prob_offset,
+             num_tokens, num_rows, hidden, K, ROUTES, E, BLOCK_H, MASK)
+
+
+@triton.jit
+def unpermute_kernel(
+    rows_ptr,  # [M, H]
+    row_map_ptr,  # int32
+    probs_ptr,  # merging probs, [N, E] under mask routing, [N, K] under index routing
+    out_ptr,  # [N, H]
+    num_tokens,
+    num_rows,
+    hidden,
+    K: tl.constexpr,
+    ROUTES: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """out[t] = sum over t's routes of p * row, in fp32."""
+    token = tl.program_id(0)
+    live, dst, kept, prob_offset = first_route_tile(row_map_ptr, token, num_tokens, num_rows, K, ROUTES, E, MASK)
+    sum_rows(rows_ptr, row_map_ptr, probs_ptr, out_ptr, token, live, dst, kept, prob_offset,
+             num_tokens, num_rows, hidden, K, ROUTES, E, BLOCK_H, MASK)
+
+
 # ----------------------------------------------------------------------------------------------
 # Prob grads: each kept route's into the grads shaped like the probs ([N, E] under mask routing,
 # [N, K] under index routing); every other entry zero.
@@ -460,6 +700,54 @@ def route_prob_grads(row_map_ptr, grad_permuted_probs_ptr, grad_probs_ptr, token
                 store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K, MASK)
     else:
         store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K, MASK)  # one tile holds all K slots
+
+
+@triton.jit
+def permute_backward_kernel(
+    grad_rows_ptr,  # [M, H] grads of the permuted rows
+    row_map_ptr,  # int32
+    grad_permuted_probs_ptr,  # [M] grads of the permuted probs
+    grad_probs_ptr,  # out, shaped like the probs
+    grad_tokens_ptr,  # [N, H] out
+    num_tokens,
+    num_rows,
+    hidden,
+    K: tl.constexpr,
+    ROUTES: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Token grads summed and prob grads routed back to (token, column): one launch."""
+    token = tl.program_id(0)
+    # The count and the first tile are loaded once, before the prob grads' barrier: the sum's row
+    # loads need not wait for a second round trip after it.
+    live, dst, kept, prob_offset = first_route_tile(row_map_ptr, token, num_tokens, num_rows, K, ROUTES, E, MASK)
+    route_prob_grads(row_map_ptr, grad_permuted_probs_ptr, grad_probs_ptr, token, live, dst, kept, prob_offset,
+                     num_tokens, num_rows, K, ROUTES, E, E_POW2, MASK)
+    sum_rows(grad_rows_ptr, row_map_ptr, None, grad_tokens_ptr, token, live, dst, kept, prob_offset,
+             num_tokens, num_rows, hidden, K, ROUTES, E, BLOCK_H, MASK)
+
+
+@triton.jit
+def route_prob_grads_kernel(
+    row_map_ptr,  # int32
+    grad_permuted_probs_ptr,  # [M] grads of the permuted probs
+    grad_probs_ptr,  # out, shaped like the probs
+    num_tokens,
+    num_rows,
+    K: tl.constexpr,
+    ROUTES: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """permute's backward when only the probs need a grad (fp8 tokens carry none)."""
+    token = tl.program_id(0)
+    live, dst, kept, prob_offset = first_route_tile(row_map_ptr, token, num_tokens, num_rows, K, ROUTES, E, MASK)
+    route_prob_grads(row_map_ptr, grad_permuted_probs_ptr, grad_probs_ptr, token, live, dst, kept, prob_offset,
+                     num_tokens, num_rows, K, ROUTES, E, E_POW2, MASK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,3 +806,72 @@ def scatter_token(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs
         # One tile holds all K slots.
         scatter_route_tile(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr,
                            token, 0, live, num_tokens, num_rows, hidden, K, ROUTES, E, BLOCK_H, MASK)
+
+
+@triton.jit
+def scatter_program(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr, num_tokens,
+                    num_rows, hidden, zero_programs, tail_programs, K: tl.constexpr, ROUTES: tl.constexpr,
+                    E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr, PAD_GROUPS: tl.constexpr,
+                    PAD_ROWS_PER_PROGRAM: tl.constexpr, MASK: tl.constexpr):
+    """One program of a scatter: the first zero_programs zero the rows no route writes (zero_rows), each
+    of the others scatters one token (scatter_token)."""
+    _, segment_offsets_ptr, segment_counts_ptr = row_map_parts(row_map_ptr, num_tokens, K, E, MASK)
+    pid = tl.program_id(0)
+    if pid < zero_programs:
+        zero_rows(pid, segment_offsets_ptr, segment_counts_ptr, num_rows, tail_programs, grad_permuted_ptr, hidden, E,
+                  BLOCK_H, PAD_GROUPS, PAD_ROWS_PER_PROGRAM)
+    else:
+        scatter_token(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr,
+                      pid - zero_programs, num_tokens, num_rows, hidden, K, ROUTES, E, E_POW2, BLOCK_H, MASK)
+
+
+@triton.jit
+def scatter_routes_kernel(
+    grad_out_ptr,  # [N, H]
+    row_map_ptr,  # int32
+    grad_permuted_ptr,  # [M, H] out
+    num_tokens,
+    num_rows,
+    hidden,
+    zero_programs,  # the first programs zero rows, the rest handle one token each
+    tail_programs,
+    K: tl.constexpr,
+    ROUTES: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAD_GROUPS: tl.constexpr,  # programs per expert's pad rows; 0: no padding
+    PAD_ROWS_PER_PROGRAM: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Each route's row of grad_permuted gets grad_out[token]; other rows get zeros."""
+    scatter_program(grad_out_ptr, row_map_ptr, None, None, None, grad_permuted_ptr, num_tokens, num_rows, hidden,
+                    zero_programs, tail_programs, K, ROUTES, E, None, BLOCK_H, PAD_GROUPS, PAD_ROWS_PER_PROGRAM, MASK)
+
+
+@triton.jit
+def unpermute_backward_kernel(
+    grad_out_ptr,  # [N, H]
+    row_map_ptr,  # int32
+    probs_ptr,  # merging probs, [N, E] under mask routing, [N, K] under index routing
+    permuted_ptr,  # [M, H] unpermute's input, for the prob grads
+    grad_probs_ptr,  # out, shaped like the probs
+    grad_permuted_ptr,  # [M, H] out
+    num_tokens,
+    num_rows,
+    hidden,
+    zero_programs,  # the first programs zero rows, the rest handle one token each
+    tail_programs,
+    K: tl.constexpr,
+    ROUTES: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAD_GROUPS: tl.constexpr,  # programs per expert's pad rows; 0: no padding
+    PAD_ROWS_PER_PROGRAM: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Each route's row of grad_permuted gets p * grad_out[token], each prob grad <row, grad_out[token]>;
+    other rows get zeros."""
+    scatter_program(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_probs_ptr, grad_permuted_ptr, num_tokens,
+                    num_rows, hidden, zero_programs, tail_programs, K, ROUTES, E, E_POW2, BLOCK_H, PAD_GROUPS,
+                    PAD_ROWS_PER_PROGRAM, MASK)
