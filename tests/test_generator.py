@@ -2,6 +2,7 @@
 the `python -m generator` CLI, self-contained modules, and a spec edit taken end to end."""
 
 import ast
+import collections
 import hashlib
 import importlib.util
 import os
@@ -505,6 +506,26 @@ def test_package_inits_import_nothing(outputs):
     for output in outputs:
         if output.path.name == "__init__.py" and len(output.path.parts) == 2:
             assert not [n for n in ast.walk(ast.parse(output.text)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+# A line every module of a target holds belongs in the runtime (STYLE.md): generated modules keep
+# what their axes shape, and share at most this many lines (comments and signatures count too).
+MOST_SHARED_LINES = 60
+
+
+@pytest.mark.parametrize("target", sorted(MODULE_TEMPLATES))
+def test_modules_share_few_lines(target):
+    """Non-blank lines, stripped and counted with multiplicity, that every generated module of the
+    target holds."""
+    modules = sorted(p for p in (GENERATED / target).glob("*.py") if p.name != "__init__.py")
+    assert len(modules) > 1
+    shared = None
+    for path in modules:
+        counts = collections.Counter(line.strip() for line in path.read_text().splitlines() if line.strip())
+        shared = counts if shared is None else shared & counts
+    assert sum(shared.values()) <= MOST_SHARED_LINES, (
+        f"{sum(shared.values())} lines are in every generated/{target} module; move what no axis changes "
+        "into the runtime:\n" + "\n".join(f"{n} x {line}" for line, n in shared.items()))
 
 
 # ---------------------------------------------------------------------------------------------
