@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cases import generator_for, load
+from cases import DEVICE, device_of, generator_for, load
 from permgen import nki_kernels, triton_kernels
 from permgen.results import RowMapLayout
 
@@ -32,8 +32,8 @@ def _parts_kernel(words_ptr, out_ptr, num_tokens, K: tl.constexpr, E: tl.constex
 def test_triton_helpers_agree(shape, mask):
     num_tokens, width, num_experts = shape
     layout = RowMapLayout(mask, num_tokens, width, num_experts)
-    words = torch.arange(layout.end, dtype=torch.int32)
-    out = torch.full((5,), -7, dtype=torch.int32)
+    words = torch.arange(layout.end, dtype=torch.int32, device=DEVICE)
+    out = torch.full((5,), -7, dtype=torch.int32, device=DEVICE)
     _parts_kernel[(1,)](words, out, num_tokens, K=width, E=num_experts, MASK=mask)
     want = [layout.dst_rows, layout.segment_offsets, layout.segment_counts]
     if mask:
@@ -68,7 +68,8 @@ def test_permute_writes_where_the_layout_says(target, name, request):
     else:
         routing = ids.to(torch.int32)
     probs = torch.rand(routing.shape, generator=g)
-    res = mod.permute(tokens, routing, probs, num_experts=num_experts)
+    device = device_of(target)
+    res = mod.permute(tokens.to(device), routing.to(device), probs.to(device), num_experts=num_experts)
     rim = res.row_id_map
     words = rim.row_map.cpu()
     layout = rim.layout
