@@ -221,22 +221,28 @@ EP_TIMES = (("a2a", "a2a"), ("dispatch", "dispatch"), ("combine", "combine"), ("
             ("combine bwd", "combine_backward"), ("permute", "permute"), ("unpermute", "unpermute"),
             ("permute bwd", "permute_backward"), ("unpermute bwd", "unpermute_backward"),
             ("torch dispatch", "torch_dispatch"), ("torch combine", "torch_combine"))
+EP_CAPACITY_TIMES = (("a2a of C rows", "a2a_capacity"), ("dispatch", "dispatch_capacity"),
+                     ("dispatch, graph replay", "dispatch_capacity_graph"), ("combine", "combine_capacity"),
+                     ("combine, graph replay", "combine_capacity_graph"), ("permute of C rows", "permute_capacity"),
+                     ("unpermute of C rows", "unpermute_capacity"))
 EP_BEYOND = (("dispatch / permute", "dispatch_beyond_over_permute"),
              ("combine / unpermute", "combine_beyond_over_unpermute"),
              ("dispatch bwd / permute bwd", "dispatch_backward_beyond_over_permute_backward"),
              ("combine bwd / unpermute bwd", "combine_backward_beyond_over_unpermute_backward"),
              ("capacity dispatch / permute of C rows", "dispatch_capacity_beyond_over_permute_capacity"),
-             ("capacity combine / unpermute of C rows", "combine_capacity_beyond_over_unpermute_capacity"),
-             ("capacity dispatch, graph replay / permute of C rows",
-              "dispatch_capacity_graph_beyond_over_permute_capacity"),
-             ("capacity combine, graph replay / unpermute of C rows",
-              "combine_capacity_graph_beyond_over_unpermute_capacity"))
+             ("capacity combine / unpermute of C rows", "combine_capacity_beyond_over_unpermute_capacity"))
 
 
 def ep_times_table(ep):
     rows = [[SHAPES.get(r["shape"], (r["shape"],))[0], *(fmt(r["time_us"].get(key), 0) for _, key in EP_TIMES)]
             for r in ep["results"]]
     return table(["shape", *(name for name, _ in EP_TIMES)], rows)
+
+
+def ep_capacity_table(ep):
+    rows = [[SHAPES.get(r["shape"], (r["shape"],))[0], *(fmt(r["time_us"].get(key), 0) for _, key in EP_CAPACITY_TIMES)]
+            for r in ep["results"]]
+    return table(["shape", *(name for name, _ in EP_CAPACITY_TIMES)], rows)
 
 
 def ep_beyond_table(ep):
@@ -274,7 +280,8 @@ def render_all(results=RESULTS):
     if quant:
         tables["quantize"] = quantize_table(quant)
     if ep:
-        tables.update({"ep-times": ep_times_table(ep), "ep-beyond": ep_beyond_table(ep),
+        tables.update({"ep-times": ep_times_table(ep), "ep-capacity": ep_capacity_table(ep),
+                       "ep-beyond": ep_beyond_table(ep),
                        "ep-estimate": ep_estimate_table(ep)})
     return tables
 
