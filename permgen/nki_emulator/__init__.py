@@ -143,18 +143,18 @@ def _run(func, args, kwargs, grid):
         raise EmulatorError(f"{name} launched with LNC={lnc}, but the environment declares LNC={declared} "
                             f"({_core.LNC_VARIABLE}): launch it as {name}[{declared}](...); nki.jit: the LNC "
                             f"value must match {_core.LNC_VARIABLE}")
-    if _cores.current() is not None:
+    if _core.current() is not None:
         raise EmulatorError(f"{name}: a kernel cannot launch another kernel")
     _core.reset_ledger()
     cost = _core.begin_cost(name)
     args = [_to_input(a, f"#{i}") for i, a in enumerate(args)]
     kwargs = {k: _to_input(v, k) for k, v in kwargs.items()}
     if lnc == 1:
-        _cores.enter(_cores.Launch(1, grid_ndim=0 if grid is None else 1), 0)
+        _core.enter(_cores.Launch(1, grid_ndim=0 if grid is None else 1), 0)
         try:
             out = _to_output(func(*args, **kwargs))
         finally:
-            _cores.leave()
+            _core.leave()
     else:
         out = _to_output(_run_cores(func, args, kwargs, lnc, cost))
     for runs in _core.recorders():
@@ -173,7 +173,7 @@ def _run_cores(func, args, kwargs, lnc: int, cost):
         collectives._enter_rank_context(rank)
         _core.reset_ledger()  # each core has its own SBUF and PSUM
         _core.set_cost(cost)  # one Cost for the launch: both cores' instructions
-        _cores.enter(launch, c)
+        _core.enter(launch, c)
         try:
             launch.wait_turn(c)
             results[c] = func(*args, **kwargs)
@@ -182,7 +182,7 @@ def _run_cores(func, args, kwargs, lnc: int, cost):
             errors[c] = err
             launch.fail()
         finally:
-            _cores.leave()
+            _core.leave()
 
     threads = [threading.Thread(target=core, args=(c,), name=f"nki-core-{c}", daemon=True) for c in range(lnc)]
     for t in threads:

@@ -616,12 +616,36 @@ def new_tensor(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
         array = poison(shape, dtype)
         ledger().allocate(array, buffer, per_partition)
         return Tensor._wrap(array, buffer, name)
-    if buffer is SHARED_HBM and _cores.current() is not None and _cores.current()[0].lnc > 1:
+    if buffer is SHARED_HBM and current() is not None and current()[0].lnc > 1:
         # At LNC > 1 the k-th shared_hbm allocation of every core is one tensor.
-        launch, core = _cores.current()
-        return launch.shared_allocation(core, _cores.next_shared_index(), shape, dtype,
+        launch, core = current()
+        return launch.shared_allocation(core, next_shared_index(), shape, dtype,
                                         lambda: Tensor._wrap(poison(shape, dtype), buffer, name))
     return Tensor._wrap(poison(shape, dtype), buffer, name)
 
 
-from . import _cores  # noqa: E402  (it uses the names above)
+
+# -- which core this thread runs (permgen.nki_emulator._cores launches them) ---------------------
+
+_local = threading.local()
+
+
+def current():
+    """(the _cores.Launch, this core's index) while a kernel runs on this thread, else None."""
+    return getattr(_local, "core", None)
+
+
+def enter(launch, core: int) -> None:
+    _local.core = (launch, core)
+    _local.shared_index = 0
+
+
+def leave() -> None:
+    _local.core = None
+
+
+def next_shared_index() -> int:
+    """The index of this core's next shared_hbm allocation in its kernel run."""
+    index = _local.shared_index
+    _local.shared_index += 1
+    return index

@@ -35,11 +35,9 @@ import threading
 import numpy as np
 
 from . import _core
-from ._core import EmulatorError
+from ._core import EmulatorError, current
 
 COLLECTIVE = 7  # the mark bit of bytes a collective wrote (cores use bits 0 .. 6)
-
-_local = threading.local()
 
 
 class _PeerFailed(EmulatorError):
@@ -165,30 +163,11 @@ class Launch:
 
 # ---------------------------------------------------------------------------------------------
 # The calling thread's core.
-def current() -> tuple[Launch, int] | None:
-    return getattr(_local, "core", None)
-
-
-def enter(launch: Launch, core: int) -> None:
-    _local.core = (launch, core)
-    _local.shared_index = 0
-
-
-def leave() -> None:
-    _local.core = None
-
-
 def require(what: str) -> tuple[Launch, int]:
     state = current()
     if state is None:
         raise EmulatorError(f"{what} is called inside a kernel only")
     return state
-
-
-def next_shared_index() -> int:
-    index = _local.shared_index
-    _local.shared_index += 1
-    return index
 
 
 def _first_bytes(tensor, elements=None, keep=None) -> np.ndarray:

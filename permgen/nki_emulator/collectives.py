@@ -172,7 +172,7 @@ def _check_generation(kind: str, ranks: list[int], has_rdispls: bool) -> None:
     if plat.generation == "trn3":
         per_device = plat.ranks_per_device
         devices = sorted({r // per_device for r in ranks})
-        state = _cores.current()
+        state = _core.current()
         lnc = state[0].lnc if state is not None else plat.logical_cores
         if lnc != 2:
             raise EmulatorError(f"{kind} on a NeuronSwitch (trn3) platform requires LNC=2, this one runs LNC={lnc}")
@@ -280,7 +280,7 @@ def _on_the_rank(kind: str, op, args, inputs, outputs):
     write of the current barrier epoch; no core reads its outputs before a core_barrier on them)."""
     if args[-2] is not None:
         raise EmulatorError(f"{kind}(priority=...) is not emulated")
-    state = _cores.current()
+    state = _core.current()
     if state is None or state[0].lnc == 1:
         return op(*args)
     launch, core = state
