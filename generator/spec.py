@@ -10,9 +10,9 @@ import re
 import tomllib
 from pathlib import Path
 
-from permgen.contract import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
+from permgen.axes import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
                               ROUTINGS, SCALES, TARGETS)
-from permgen.contract import AXIS_DEFAULTS as BUILTIN_DEFAULTS
+from permgen.axes import AXIS_DEFAULTS as BUILTIN_DEFAULTS
 from permgen.variant import Variant, axis_error
 
 ALLOWED_KEYS = frozenset(AXES) | {"name"}
@@ -25,7 +25,7 @@ class SpecError(ValueError):
 
 
 def variant_name(v: Variant) -> str:
-    """One fixed rule (permgen.contract.variant_name), e.g. probs_pad128_fp8e4m3_block128_mask."""
+    """One fixed rule (permgen.axes.variant_name), e.g. probs_pad128_fp8e4m3_block128_mask."""
     return v.name
 
 

@@ -15,7 +15,7 @@ import importlib.util
 import os
 import sys
 
-from . import contract
+from . import axes, contract
 from .registry import GENERATED, find_variant, get_kernel
 
 
@@ -40,7 +40,7 @@ _serve_checkout_kernels()
 TE_FUNCTIONS = ("moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
                 "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs")
 
-__all__ = ["VARIANTS", "PermuteResult", "RowIdMap", "contract", "find_variant", "get_kernel", *TE_FUNCTIONS]
+__all__ = ["VARIANTS", "PermuteResult", "RowIdMap", "axes", "contract", "find_variant", "get_kernel", *TE_FUNCTIONS]
 
 
 def __getattr__(name):

@@ -1,62 +1,23 @@
-"""The contract every variant keeps on every target: the spec's axis values, what each dtype and
-scale means, and the argument checks of the public functions.
+"""The contract every variant keeps on every target: the argument checks of the public functions
+and the dtypes a variant's tensors take (the spec's axis values are permgen.axes').
 
-The spec validation (generator/), both targets' host code and the tests read these tables; the
-checks raise the same exception with the same words whichever target runs the variant. This
-module imports nothing at load time, so the generator can use it without torch installed.
+Both targets' host code and the tests call these checks; they raise the same exception with the
+same words whichever target runs the variant. This module imports no torch at load time.
 """
 
 from typing import NamedTuple, Optional
 
-# ---------------------------------------------------------------------------------------------
-# The spec's axes and what their values mean
-# ---------------------------------------------------------------------------------------------
-
-DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
-FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
-ROUTINGS = ("mask", "index")
-SCALES = ("none", "block128", "mx32")
-# Quantise on permute: bf16/fp16/fp32 tokens in, float8_e4m3fn rows and their scales out (the scale
-# formats of SCALE_FORMATS; their definitions are in the README, "Quantising variants").
-QUANTIZES = ("none", "block128", "mx32")
-QUANTIZABLE_DTYPES = ("bf16", "fp16", "fp32")
-QUANTIZED_DTYPE = "fp8_e4m3"
-TARGETS = ("triton", "nki")
-MAX_PAD = 256
-AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad", "targets")
-# Values every variant gets unless it or [defaults] says otherwise.
-AXIS_DEFAULTS = {"probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": list(TARGETS)}
-
-# The torch dtype (by attribute name) of each token dtype.
-TOKEN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
-                     "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-# scale kind -> (token columns per scale, torch dtype name of the scales)
-SCALE_FORMATS = {"block128": (128, "float32"), "mx32": (32, "uint8")}
-PROB_DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# Row numbers and route counts are int32 on every target.
-MAX_ROWS = 2**31 - 1
-
-
-def variant_name(axes: dict) -> str:
-    """One fixed rule: [probs_][pad<P>_]<dtype>[_<scale>][_to_fp8e4m3_<quantize>]_<routing>, e.g.
-    probs_pad128_fp8e4m3_block128_mask, probs_bf16_to_fp8e4m3_mx32_index."""
-    parts = ["probs"] if axes["probs"] else []
-    if axes["pad"]:
-        parts.append(f"pad{axes['pad']}")
-    parts.append(axes["dtype"].replace("_", ""))
-    if axes["scale"] != "none":
-        parts.append(axes["scale"])
-    if axes.get("quantize", "none") != "none":
-        parts += ["to", QUANTIZED_DTYPE.replace("_", ""), axes["quantize"]]
-    parts.append(axes["routing"])
-    return "_".join(parts)
+# The spec's tables, also served here, where they were first published (permgen.contract.DTYPES, ...).
+from .axes import (AXES, AXIS_DEFAULTS, DTYPES, FP8_DTYPES, MAX_PAD, MAX_ROWS, PROB_DTYPE_NAMES,  # noqa: F401
+                   QUANTIZABLE_DTYPES, QUANTIZED_DTYPE, QUANTIZES, ROUTINGS, SCALE_FORMATS, SCALES, TARGETS,
+                   TOKEN_DTYPE_NAMES, variant_name)
+from .variant import Variant
 
 
 def _variant(variant):
     """The Variant of a normalised spec entry (a generated module's VARIANT), torch dtypes bound; a
     Variant as it is (permgen.ops binds its torch dtypes once; the checks run on every call)."""
     if isinstance(variant, dict):
-        from .variant import Variant
         return Variant.of(variant).bind_torch()
     return variant
 

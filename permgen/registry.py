@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import importlib
 
-from . import contract
+from . import axes
 from .variant import axis_error
 
 GENERATED = "permgen.generated"  # the package the generator writes (generated/ in the repository)
-_LOOKUP_AXES = tuple(a for a in contract.AXES if a != "targets")
-AXIS_DEFAULTS = {a: v for a, v in contract.AXIS_DEFAULTS.items() if a != "targets"}
-AXIS_CHOICES = {"dtype": contract.DTYPES, "routing": contract.ROUTINGS, "scale": contract.SCALES,
-                "quantize": contract.QUANTIZES}
+_LOOKUP_AXES = tuple(a for a in axes.AXES if a != "targets")
+AXIS_DEFAULTS = {a: v for a, v in axes.AXIS_DEFAULTS.items() if a != "targets"}
+AXIS_CHOICES = {"dtype": axes.DTYPES, "routing": axes.ROUTINGS, "scale": axes.SCALES,
+                "quantize": axes.QUANTIZES}
 
 
 def variants() -> dict:
@@ -20,8 +20,8 @@ def variants() -> dict:
 
 
 def _check_target(target):
-    if not isinstance(target, str) or target not in contract.TARGETS:
-        raise ValueError(f"target must be {' or '.join(map(repr, contract.TARGETS))}, got {target!r}")
+    if not isinstance(target, str) or target not in axes.TARGETS:
+        raise ValueError(f"target must be {' or '.join(map(repr, axes.TARGETS))}, got {target!r}")
 
 
 def _check_axis_values(axes):

@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from .contract import TOKEN_DTYPE_NAMES
+from .axes import TOKEN_DTYPE_NAMES
 from .registry import get_kernel, variants
 from .results import RowIdMap
 from .triton_host import chunk_sort

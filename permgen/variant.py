@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .contract import (AXES, AXIS_DEFAULTS, DTYPES, FP8_DTYPES, MAX_PAD, PROB_DTYPE_NAMES, QUANTIZABLE_DTYPES,
+from .axes import (AXES, AXIS_DEFAULTS, DTYPES, FP8_DTYPES, MAX_PAD, PROB_DTYPE_NAMES, QUANTIZABLE_DTYPES,
                        QUANTIZED_DTYPE, QUANTIZES, ROUTINGS, SCALE_FORMATS, SCALES, TARGETS, TOKEN_DTYPE_NAMES,
                        variant_name)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from permgen import contract
+from permgen import axes, contract
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
 HAS_CUDA = torch.cuda.is_available()
@@ -133,7 +133,7 @@ def combine_dtype(variant: dict) -> torch.dtype:
 
 
 def is_fp8(variant: dict) -> bool:
-    return variant["dtype"] in contract.FP8_DTYPES
+    return variant["dtype"] in axes.FP8_DTYPES
 
 
 def rows_are_fp8(variant: dict) -> bool:

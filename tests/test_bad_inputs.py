@@ -24,7 +24,7 @@ import permgen
 from cases import META, assert_bits_equal, assert_sum_close, combine_dtype, device_of, expert_ids, generator_for, \
     load, make_scale, make_tokens, routing_from_ids, stable_seed, to_device, token_dtype
 from generator.spec import parse_spec
-from permgen.contract import AXES
+from permgen.axes import AXES
 from reference import permute_ref, unpermute_ref
 
 TARGETS = ["triton", "nki"]

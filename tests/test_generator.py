@@ -341,17 +341,17 @@ def test_registry_holds_only_the_variants(variants, outputs):
 
 
 def test_registry_and_spec_read_one_axis_table():
-    """The spec's validation and the registry's lookup take their axis values from permgen.contract."""
+    """The spec's validation and the registry's lookup take their axis values from permgen.axes."""
     from generator import spec
-    from permgen import contract, registry
+    from permgen import axes, registry
 
     assert (spec.DTYPES, spec.ROUTINGS, spec.SCALES, spec.TARGETS, spec.FP8_DTYPES, spec.MAX_PAD) == \
-        (contract.DTYPES, contract.ROUTINGS, contract.SCALES, contract.TARGETS, contract.FP8_DTYPES, contract.MAX_PAD)
-    assert spec.BUILTIN_DEFAULTS is contract.AXIS_DEFAULTS
-    assert registry.AXIS_CHOICES == {"dtype": contract.DTYPES, "routing": contract.ROUTINGS, "scale": contract.SCALES,
-                                     "quantize": contract.QUANTIZES}
-    assert (spec.QUANTIZES, spec.QUANTIZABLE_DTYPES) == (contract.QUANTIZES, contract.QUANTIZABLE_DTYPES)
-    assert registry.AXIS_DEFAULTS == {k: v for k, v in contract.AXIS_DEFAULTS.items() if k != "targets"}
+        (axes.DTYPES, axes.ROUTINGS, axes.SCALES, axes.TARGETS, axes.FP8_DTYPES, axes.MAX_PAD)
+    assert spec.BUILTIN_DEFAULTS is axes.AXIS_DEFAULTS
+    assert registry.AXIS_CHOICES == {"dtype": axes.DTYPES, "routing": axes.ROUTINGS, "scale": axes.SCALES,
+                                     "quantize": axes.QUANTIZES}
+    assert (spec.QUANTIZES, spec.QUANTIZABLE_DTYPES) == (axes.QUANTIZES, axes.QUANTIZABLE_DTYPES)
+    assert registry.AXIS_DEFAULTS == {k: v for k, v in axes.AXIS_DEFAULTS.items() if k != "targets"}
 
 
 def test_bytecode_caches_are_not_stale_files(tmp_path, outputs):

@@ -29,7 +29,7 @@ from cases import bits, load, stable_seed, variants_for  # noqa: E402
 from permgen.nki_emulator import EmulatorError, Platform, jit, run_ranks  # noqa: E402
 from permgen.nki_emulator.collectives import ReplicaGroup  # noqa: E402
 from permgen.nki_emulator.testing import REAL_NKI, ROOT, nki_modules_restored  # noqa: E402
-from permgen import contract  # noqa: E402
+from permgen import axes  # noqa: E402
 from permgen.nki_host import from_kernel, to_kernel  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def _a2av_on_the_emulator():
 nki_a2av = _a2av_on_the_emulator()
 permute_a2av, unpermute_a2av = nki_a2av.permute_a2av, nki_a2av.unpermute_a2av
 
-TORCH_DTYPES = {d: getattr(torch, n) for d, n in contract.TOKEN_DTYPE_NAMES.items()}
+TORCH_DTYPES = {d: getattr(torch, n) for d, n in axes.TOKEN_DTYPE_NAMES.items()}
 DEEP = ["bf16", "fp32", "fp8_e4m3"]  # token dtypes the deep tests run (the kernel depends on no other axis)
 GENERATIONS = ["trn2", "trn3"]
 LNCS = [1, 2]
@@ -173,7 +173,7 @@ def test_the_cores_wait_for_each_others_writes(monkeypatch):
         run_dispatch(ranks, capacity, lnc=2)
 
 
-@pytest.mark.parametrize("dtype", contract.DTYPES)
+@pytest.mark.parametrize("dtype", axes.DTYPES)
 def test_every_token_dtype_dispatches(dtype):
     ranks, capacity = make_rank_inputs(dtype, 2, stable_seed(dtype), hidden=40)
     check(run_dispatch(ranks, capacity), reference(ranks, 2, 40, capacity), 40)
