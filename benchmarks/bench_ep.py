@@ -58,7 +58,9 @@ DEVICE = "cuda"  # "cpu" with --cpu-smoke: tiny shapes over gloo under the Trito
 
 
 def timed(fn, group, iters, reps):
-    """Slowest rank's mean time per call (us), median over reps."""
+    """(time, host time) per call in us, each the slowest rank's mean over `iters` calls, median over
+    reps. The host time is how long the calls took to return: where it is near the time, the host
+    bounds the op, not the GPU."""
     for _ in range(1 if DEVICE == "cpu" else 3):
         fn()
     samples = []
@@ -68,20 +70,23 @@ def timed(fn, group, iters, reps):
             start = time.perf_counter()
             for _ in range(iters):
                 fn()
-            elapsed_us = (time.perf_counter() - start) / iters * 1e6
+            elapsed_us = host_us = (time.perf_counter() - start) / iters * 1e6
         else:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            host_start = time.perf_counter()
             for _ in range(iters):
                 fn()
+            host_us = (time.perf_counter() - host_start) / iters * 1e6
             end.record()
             torch.cuda.synchronize()
             elapsed_us = start.elapsed_time(end) / iters * 1e3
-        t = torch.tensor([elapsed_us], device=DEVICE)
+        t = torch.tensor([elapsed_us, host_us], device=DEVICE)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        samples.append(t.item())
-    return sorted(samples)[len(samples) // 2]
+        samples.append(t.tolist())
+    middle = len(samples) // 2
+    return sorted(x[0] for x in samples)[middle], sorted(x[1] for x in samples)[middle]
 
 
 def captured(fn):
@@ -236,13 +241,14 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     if DEVICE == "cuda":
         for op in ("a2a_capacity", "dispatch_capacity", "combine_capacity"):
             ops[f"{op}_graph"] = captured(ops[op])
-    times = {op: timed(fn, group, iters, reps) for op, fn in ops.items()}
+    timings = {op: timed(fn, group, iters, reps) for op, fn in ops.items()}
     dropped = int(cap_res.handle.dropped.sum())
     dist.all_reduce(t := torch.tensor([dropped], device=DEVICE), group=group)
     return dict(shape=name, N=N, H=H, E=E, k=k, local_experts=local, capacity=capacity,
                 capacity_dropped_rows=int(t.item()), rows=rows, row_bytes=row_bytes,
                 a2a_bytes_per_rank=rows["sent"] * row_bytes, remote_bytes_per_rank=rows["sent_remote"] * row_bytes,
-                time_us={op: round(t_, 1) for op, t_ in times.items()})
+                time_us={op: round(t_, 1) for op, (t_, _) in timings.items()},
+                host_us={op: round(h, 1) for op, (_, h) in timings.items()})
 
 
 def summarise(r):
@@ -312,6 +318,10 @@ def report(results, gpu, world, backend):
                                                  ("combine_capacity", "unpermute_capacity"),
                                                  ("dispatch_backward", "permute_backward"),
                                                  ("combine_backward", "unpermute_backward"))))
+        if "host_us" in r:  # an op whose host time is near its time is the host's
+            lines.append("  host time per call, us (time): " + ", ".join(
+                f"{op} {r['host_us'][op]} ({r['time_us'][op]})" for op in
+                ("dispatch", "dispatch_capacity", "combine", "dispatch_backward", "permute", "a2a")))
         lines.append(f"  vs PyTorch composition: dispatch {s['speedup_dispatch_vs_torch']}x, combine "
                      f"{s['speedup_combine_vs_torch']}x; regroup of 8 sources' rows {s['regroup_over_copy']}x the copy")
         lines.append(f"  EP=64 over 8 nodes (paper): a2a {e['a2a_us']} us, local dispatch {e['local_dispatch_us']} us, "
