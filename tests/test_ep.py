@@ -207,8 +207,10 @@ def run_case(mod, case, world, me, group):
     differentiable = not is_fp8(v) and v["quantize"] == "none"  # fp8 rows out: never differentiated
     tokens = tokens.clone().requires_grad_(differentiable)
     probs = None if probs is None else probs.clone().requires_grad_()
-    # Mask routing in capacity mode sizes its send buffer by topk: with it on 2 ranks, without on 4.
-    hint = dict(topk=case.k) if v["routing"] == "mask" and case.capacity is not None and world == 2 else {}
+    # Mask routing with the topk hint on 2 ranks, without it on 1 and 4: with it, dropless dispatch
+    # counts the routes in permute's routing kernel (without, in a pass of its own first), and
+    # capacity mode sizes its send buffer by it (without, for E routes per token).
+    hint = dict(topk=case.k) if v["routing"] == "mask" and world == 2 else {}
     with poisoned():
         res = mod.dispatch(tokens, routing, probs, scale, group=group, num_experts=num_experts,
                            recv_capacity=case.capacity, **hint)
@@ -384,6 +386,15 @@ def check_bad_input(mod, group, world):
                 mod.dispatch(tokens, bad, probs, scale, **kw, **extra)
         with pytest.raises(TypeError, match="check_routing"):
             mod.dispatch(*args, **kw, check_routing=1)
+    else:
+        # More mask routes than the topk hint on rank 0 only: every rank raises in dropless mode,
+        # whether its routes are counted by permute's routing kernel (topk) or before it (none).
+        crowded = routing.clone()
+        if torch.distributed.get_rank(group) == 0:
+            crowded[0, :2] = True
+        for extra in (dict(topk=1), dict(topk=1, recv_capacity=2, check_routing=True)):
+            with pytest.raises(ValueError, match="more than topk=1|routing of rank"):
+                mod.dispatch(tokens, crowded, probs, scale, **kw, **extra)
     res = mod.dispatch(*args, **kw)
     cdt = combine_dtype(v)
     with pytest.raises(TypeError, match="handle"):
