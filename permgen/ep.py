@@ -31,8 +31,8 @@ Two modes:
   permute's routing kernel where permute's rows are known before the counts, else by a pass over
   the routing), exchanged with one small all-to-all and read back once, with the counts received
   and the routing check (the one device-to-host read, as Megatron's all-to-all dispatcher does);
-  permute's rows move while the host waits for them and works out the split sizes. Nothing is dropped; expert ids out of range raise on every rank
-  (check_routing=False skips it).
+  permute's rows move while the host waits for them and works out the split sizes. Nothing is
+  dropped; expert ids out of range raise on every rank (check_routing=False skips it).
 - fixed capacity (recv_capacity=C): C is per rank pair. Each rank sends every other rank (and
   itself) exactly C rows, so all split sizes are static: nothing is read back and nothing is
   allocated by data, so it is capturable in a CUDA graph and traces under
@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
                        scale_columns, scale_dtype)
-from .results import PermuteResult, RowIdMap, RowMapLayout, route_words, row_map_words
+from .results import RowIdMap, RowMapLayout, route_words, row_map_words
 
 
 @dataclass
@@ -516,16 +516,13 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         queued = {}
 
         def exchange(row_map):  # the segment counts [E], then the dropped routes: all of them bad ones here
-            counts = queued["counts"] = row_map[layout.segment_counts:layout.route_tallies + 1]
-            queued["payload"], queued["received"] = _exchange_counts(counts, group, world, local)
-            queued["reading"] = _start_read(queued["payload"])
+            counts = row_map[layout.segment_counts:layout.route_tallies + 1]
+            payload, queued["received"] = _exchange_counts(counts, group, world, local)
+            queued["reading"] = _start_read(payload)
 
-        out = ops.backend.permute(plan._replace(num_out_tokens=plan.num_tokens * plan.width, check_routing=False),
-                                  tokens, routing, probs, scale, routed=exchange)
-        res = PermuteResult(out.tokens, out.probs, out.scale,
-                            RowIdMap(out.row_map, routing, plan.num_tokens, plan.width, num_experts, out.num_rows,
-                                     ops.name), out.tokens_per_expert)
-        counts, received, reading = queued["counts"], queued["received"], queued["reading"]
+        plan = plan._replace(num_out_tokens=plan.num_tokens * plan.width, check_routing=False)
+        res = ops.result(plan, routing, ops.backend.permute(plan, tokens, routing, probs, scale, routed=exchange))
+        received, reading = queued["received"], queued["reading"]
     else:
         counts = _route_tally(ops, routing, num_experts, plan.width, check)
         payload, received = _exchange_counts(counts, group, world, local)

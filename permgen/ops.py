@@ -609,6 +609,10 @@ class Ops(_Registered):
         else:
             out = self._op_outputs(calls["permute"](tokens, routing, probs, scale, plan.num_experts, plan.width,
                                                     plan.num_out_tokens, plan.check_routing))
+        return self.result(plan, routing, out)
+
+    def result(self, plan, routing, out: PermuteOutputs) -> PermuteResult:
+        """The PermuteResult of a backend's permute outputs (expert parallelism runs the backend itself)."""
         num_experts = plan.num_experts if plan.num_experts is not None else out.tokens_per_expert.shape[0]
         row_id_map = RowIdMap(out.row_map, routing, plan.num_tokens, plan.width, num_experts, out.num_rows, self.name)
         return PermuteResult(out.tokens, out.probs, out.scale, row_id_map, out.tokens_per_expert)
