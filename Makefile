@@ -49,6 +49,7 @@ test-gpu: gpu-ready
 bench: gpu-ready
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_layer.py --out benchmarks/results
 
 # Expert-parallel dispatch / combine over NCCL, one rank per GPU of the machine (world size 1 on one
 # GPU; tests/test_ep.py runs over NCCL there too).

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from permgen.axes import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
                               ROUTINGS, SCALES, TARGETS)
-from permgen.axes import AXIS_DEFAULTS as BUILTIN_DEFAULTS
+from permgen.axes import AXIS_DEFAULTS, OPTION_DEFAULTS, OPTIONS
 from permgen.variant import Variant, axis_error
 
-ALLOWED_KEYS = frozenset(AXES) | {"name"}
+ALLOWED_KEYS = frozenset(AXES) | frozenset(OPTIONS) | {"name"}
+BUILTIN_DEFAULTS = {**AXIS_DEFAULTS, **OPTION_DEFAULTS}
 
 _SAFE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -52,8 +53,11 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
             _fail(path, where, "targets", f"expected one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     if len(set(targets)) != len(targets):
         _fail(path, where, "targets", f"lists a target twice: {targets!r}")
+    if entry["expert_mlp"] and "triton" not in targets:
+        _fail(path, where, "expert_mlp", "the expert MLP is a Triton module's; add \"triton\" to targets")
     variant = Variant(dtype=entry["dtype"], routing=entry["routing"], probs=entry["probs"], scale=entry["scale"],
-                      quantize=entry["quantize"], pad=entry["pad"], targets=tuple(t for t in TARGETS if t in targets))
+                      quantize=entry["quantize"], pad=entry["pad"], targets=tuple(t for t in TARGETS if t in targets),
+                      expert_mlp=entry["expert_mlp"])
     if "name" in entry:
         given = entry["name"]
         if not isinstance(given, str) or not _SAFE_NAME.match(given):
@@ -77,8 +81,8 @@ def parse_spec(text: str, path: str | Path = "variants.toml") -> list[Variant]:
     if not isinstance(defaults, dict):
         _fail(path, "top level", "defaults", "expected a [defaults] table")
     for key in defaults:
-        if key not in AXES:
-            _fail(path, "[defaults]", key, f"unknown key; allowed keys are {', '.join(AXES)}")
+        if key not in AXES and key not in OPTIONS:
+            _fail(path, "[defaults]", key, f"unknown key; allowed keys are {', '.join(AXES + OPTIONS)}")
     entries = data.get("variant", [])
     if not isinstance(entries, list) or not entries:
         _fail(path, "top level", "variant", "expected at least one [[variant]] table")

@@ -18,6 +18,14 @@ AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad", "targets")
 # Values every variant gets unless it or [defaults] says otherwise.
 AXIS_DEFAULTS = {"probs": True, "scale": "none", "quantize": "none", "pad": 0, "targets": list(TARGETS)}
 
+# Options: what a variant's modules offer beside its permutation. Not part of its name: two entries
+# that differ only in options are the same variant.
+#   expert_mlp  true: the Triton module has `expert_mlp`, the expert MLP with the permutation folded
+#               into its GEMMs (permgen.expert_mlp); bf16 tokens only (torch._grouped_mm's dtype)
+OPTIONS = ("expert_mlp",)
+OPTION_DEFAULTS = {"expert_mlp": False}
+EXPERT_MLP_DTYPES = ("bf16",)
+
 # The torch dtype (by attribute name) of each token dtype.
 TOKEN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                      "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}

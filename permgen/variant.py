@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .axes import (AXES, AXIS_DEFAULTS, DTYPES, FP8_DTYPES, MAX_PAD, PROB_DTYPE_NAMES, QUANTIZABLE_DTYPES,
-                       QUANTIZED_DTYPE, QUANTIZES, ROUTINGS, SCALE_FORMATS, SCALES, TARGETS, TOKEN_DTYPE_NAMES,
-                       variant_name)
+from .axes import (AXES, AXIS_DEFAULTS, DTYPES, EXPERT_MLP_DTYPES, FP8_DTYPES, MAX_PAD, OPTION_DEFAULTS,
+                   PROB_DTYPE_NAMES, QUANTIZABLE_DTYPES, QUANTIZED_DTYPE, QUANTIZES, ROUTINGS, SCALE_FORMATS, SCALES,
+                   TARGETS, TOKEN_DTYPE_NAMES, variant_name)
 
 # Every Variant made in this process, by name (a name is derived from the axes, so it is the identity):
 # a row map names its variant, and its layout follows from the variant's routing.
@@ -44,6 +44,13 @@ def axis_error(axes: dict) -> Optional[tuple]:
     if axes["scale"] != "none" and axes["dtype"] not in FP8_DTYPES:
         return "scale", (f"scale {axes['scale']!r} needs an fp8 dtype ({', '.join(FP8_DTYPES)}), "
                          f"got dtype {axes['dtype']!r}")
+    expert_mlp = axes.get("expert_mlp", False)
+    if not isinstance(expert_mlp, bool):
+        return "expert_mlp", f"expected true or false, got {expert_mlp!r}"
+    if expert_mlp and (axes["dtype"] not in EXPERT_MLP_DTYPES or axes["quantize"] != "none"):
+        return "expert_mlp", (f"the expert MLP takes {', '.join(EXPERT_MLP_DTYPES)} tokens and rows (the dtype of "
+                              f"torch._grouped_mm, which runs its other GEMMs), got dtype {axes['dtype']!r}"
+                              + (f" quantised to {axes['quantize']!r}" if axes["quantize"] != "none" else ""))
     return None
 
 
@@ -58,11 +65,14 @@ class Variant:
     pad: int = AXIS_DEFAULTS["pad"]
     targets: tuple = TARGETS
     quantize: str = AXIS_DEFAULTS["quantize"]
+    expert_mlp: bool = OPTION_DEFAULTS["expert_mlp"]  # an option (permgen.axes.OPTIONS), not in the name
 
     def __post_init__(self):
         problem = axis_error(self.__dict__)
         if problem:
             raise ValueError(f"{problem[0]}: {problem[1]}")
+        if self.expert_mlp and "triton" not in self.targets:
+            raise ValueError("expert_mlp: the expert MLP is a Triton module's; add \"triton\" to targets")
         scale_kind = self.scale if self.quantize == "none" else self.quantize
         derived = dict(
             name=variant_name(self.__dict__),
@@ -93,7 +103,8 @@ class Variant:
             return known
         targets = axes.get("targets", TARGETS)
         return cls(**{a: axes.get(a, AXIS_DEFAULTS.get(a)) for a in AXES if a != "targets"},
-                   targets=tuple(t for t in TARGETS if t in targets))
+                   targets=tuple(t for t in TARGETS if t in targets),
+                   **{o: axes.get(o, default) for o, default in OPTION_DEFAULTS.items()})
 
     @staticmethod
     def named(name: str) -> "Variant":
@@ -103,7 +114,8 @@ class Variant:
     def axes(self) -> dict:
         """The normalised spec entry, as plain data (what generated modules export as VARIANT)."""
         return {"name": self.name, "dtype": self.dtype, "routing": self.routing, "probs": self.probs,
-                "scale": self.scale, "pad": self.pad, "targets": list(self.targets), "quantize": self.quantize}
+                "scale": self.scale, "pad": self.pad, "targets": list(self.targets), "quantize": self.quantize,
+                "expert_mlp": self.expert_mlp}
 
     def scale_columns(self, hidden: int) -> int:
         """Columns of the scales of a row of `hidden` tokens."""

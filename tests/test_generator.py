@@ -117,9 +117,10 @@ def test_module_fingerprint_is_of_variant_and_template_bytes(variants, outputs):
 
 def test_fingerprint_changes_with_every_axis(variants):
     tbytes = b"template bytes"
-    v = variants[0]
+    v = replace(variants[0], expert_mlp=False)  # bf16: every axis below can change
     base = fingerprint(v, tbytes)
     changed = [replace(v, dtype="fp32" if v.dtype != "fp32" else "fp16"),
+               replace(v, expert_mlp=True),
                replace(v, routing="index" if v.routing == "mask" else "mask"),
                replace(v, probs=not v.probs),
                replace(v, pad=v.pad * 2 if v.pad else 8),
@@ -347,7 +348,7 @@ def test_registry_and_spec_read_one_axis_table():
 
     assert (spec.DTYPES, spec.ROUTINGS, spec.SCALES, spec.TARGETS, spec.FP8_DTYPES, spec.MAX_PAD) == \
         (axes.DTYPES, axes.ROUTINGS, axes.SCALES, axes.TARGETS, axes.FP8_DTYPES, axes.MAX_PAD)
-    assert spec.BUILTIN_DEFAULTS is axes.AXIS_DEFAULTS
+    assert spec.BUILTIN_DEFAULTS == {**axes.AXIS_DEFAULTS, **axes.OPTION_DEFAULTS}
     assert registry.AXIS_CHOICES == {"dtype": axes.DTYPES, "routing": axes.ROUTINGS, "scale": axes.SCALES,
                                      "quantize": axes.QUANTIZES}
     assert (spec.QUANTIZES, spec.QUANTIZABLE_DTYPES) == (axes.QUANTIZES, axes.QUANTIZABLE_DTYPES)
@@ -596,7 +597,7 @@ def test_new_index_variant_runs_against_the_reference(user_tree):
     _, out = user_tree
     mod = load_by_path(out / "triton" / "pad64_fp16_index.py", "permgen_user_pad64_fp16_index")
     assert mod.VARIANT == {"name": "pad64_fp16_index", "dtype": "fp16", "routing": "index", "probs": False,
-                           "scale": "none", "pad": 64, "targets": ["triton"], "quantize": "none"}
+                           "scale": "none", "pad": 64, "targets": ["triton"], "quantize": "none", "expert_mlp": False}
     g = torch.Generator().manual_seed(1234)
     N, H, E, k = 29, 136, 5, 2
     tokens = (torch.randn(N, H, generator=g) * 3).to(torch.float16)

@@ -125,7 +125,8 @@ def test_the_repository_spec_loads():
 def test_axes_is_the_normalised_entry():
     v = Variant("fp8_e5m2", "index", True, "block128", 16, ("triton",))
     assert v.axes() == {"name": "probs_pad16_fp8e5m2_block128_index", "dtype": "fp8_e5m2", "routing": "index",
-                        "probs": True, "scale": "block128", "pad": 16, "targets": ["triton"], "quantize": "none"}
+                        "probs": True, "scale": "block128", "pad": 16, "targets": ["triton"], "quantize": "none",
+                        "expert_mlp": False}
 
 
 @pytest.mark.parametrize("pad", GOOD_PADS)
@@ -437,3 +438,40 @@ def test_whole_matrix_as_one_spec():
     variants = parse_spec(spec_text(*entries), SPEC_PATH)
     assert [v.name for v in variants] == [e["name"] for e in entries]
     assert len({v.name for v in variants}) == len(variants)
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
+
+def test_expert_mlp_option_is_not_in_the_name():
+    (v,) = parse_spec(spec_text(dict(dtype="bf16", routing="index", expert_mlp=True)), SPEC_PATH)
+    assert v.expert_mlp and v.name == "probs_bf16_index"
+    (w,) = parse_spec(spec_text(dict(dtype="bf16", routing="index")), SPEC_PATH)
+    assert not w.expert_mlp and w.name == v.name
+
+
+def test_expert_mlp_in_defaults():
+    variants = parse_spec(spec_text(dict(dtype="bf16", routing="index"), dict(dtype="bf16", routing="mask",
+                                                                               expert_mlp=False),
+                                    defaults=dict(expert_mlp=True)), SPEC_PATH)
+    assert [v.expert_mlp for v in variants] == [True, False]
+
+
+@pytest.mark.parametrize("entry, words", [
+    (dict(dtype="fp16", routing="index", expert_mlp=True), "takes bf16"),
+    (dict(dtype="fp8_e4m3", routing="index", expert_mlp=True), "takes bf16"),
+    (dict(dtype="bf16", routing="index", quantize="mx32", expert_mlp=True), "quantised"),
+    (dict(dtype="bf16", routing="index", expert_mlp="yes"), "expected true or false"),
+    (dict(dtype="bf16", routing="index", targets=["nki"], expert_mlp=True), "Triton module"),
+])
+def test_expert_mlp_bad_values(entry, words):
+    msg = spec_error(spec_text(entry))
+    assert_names(msg, "variant #1", "expert_mlp")
+    assert words in msg, msg
+
+
+def test_two_entries_differing_only_in_options_are_one_variant():
+    msg = spec_error(spec_text(dict(dtype="bf16", routing="index"), dict(dtype="bf16", routing="index",
+                                                                          expert_mlp=True)))
+    assert "duplicates variant #1" in msg

@@ -1,0 +1,201 @@
+"""A whole MoE expert layer, forward + backward, on one GPU: the permutation folded into the expert
+GEMMs (permgen's expert_mlp) against the same layer with permgen's standalone permute / unpermute,
+a PyTorch-native permutation, and the same GEMMs on rows already grouped (no permutation at all).
+
+    python3 benchmarks/bench_layer.py --out benchmarks/results      (part of `make bench`)
+
+Per shape (N tokens, top-k routing over E experts from softmaxed random logits, SwiGLU experts of
+width F, bf16, variant probs_bf16_index): us per call, CUDA events, median of --reps runs of
+--iters calls. Also the first GEMM alone: the gather GEMM (tokens read through the row map) against
+torch._grouped_mm on grouped rows. Writes bench_layer.json / .txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import permgen  # noqa: E402
+from permgen import triton_gemm  # noqa: E402
+from permgen.expert_mlp import _row_tokens  # noqa: E402
+
+SHAPES = [("qwen3_moe", 16384, 2048, 128, 8, 768), ("deepseek_v3", 16384, 7168, 256, 8, 2048),
+          ("mixtral", 16384, 4096, 8, 2, 14336)]  # name, N, H, E, k, F
+SMALL_SHAPES = [("qwen3_moe_n2048", 2048, 2048, 128, 8, 768)]
+
+
+def timed(fn, iters, reps):
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters * 1e3)
+    return round(sorted(times)[len(times) // 2], 1)
+
+
+def swiglu(h):
+    gate, up = h.chunk(2, dim=1)
+    return F.silu(gate) * up
+
+
+def experts(rows, w1, w2, ends):
+    return torch._grouped_mm(swiglu(torch._grouped_mm(rows, w1, offs=ends)), w2, offs=ends)
+
+
+def torch_layer(x, ids, probs, w1, w2, E):
+    """The PyTorch-native permutation: argsort by expert, index_select, index_add_ back."""
+    N, k = ids.shape
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    ends = torch.cumsum(torch.bincount(ids.reshape(-1), minlength=E), 0).to(torch.int32)
+    out = experts(x.index_select(0, order // k), w1, w2, ends)
+    weights = probs.reshape(-1).index_select(0, order).to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, order // k, out * weights[:, None])
+
+
+def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    top, ids = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
+    ids = ids.to(torch.int32)
+    probs = top.contiguous().requires_grad_()
+    w1 = (torch.randn(E, H, 2 * Fw, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(E, Fw, H, device="cuda", generator=g) * Fw ** -0.5).to(torch.bfloat16).requires_grad_()
+    grad_y = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
+    leaves = [x, probs, w1, w2]
+
+    def standalone():
+        res = mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k)
+        m = res.row_id_map
+        ends = (m.segment_offsets[:E] + m.segment_counts).to(torch.int32)
+        return mod.unpermute(experts(res.tokens, w1, w2, ends), m, probs)
+
+    def fused():
+        return mod.expert_mlp(x, ids, probs, w1, w2, num_experts=E, num_out_tokens=N * k)
+
+    # Grouped rows: the layer's GEMMs and SwiGLU on rows already in expert order, no permutation.
+    pre = mod.permute(x.detach(), ids, probs.detach(), num_experts=E, num_out_tokens=N * k)
+    grouped = pre.tokens.clone().requires_grad_()
+    ends = (pre.row_id_map.segment_offsets[:E] + pre.row_id_map.segment_counts).to(torch.int32)
+    grad_grouped = torch.randn(grouped.shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    # Exactly the same function: the fused layer against the standalone one (sums in bf16: tolerances).
+    ref, ours = standalone(), fused()
+    ref_grads = torch.autograd.grad(ref, leaves, grad_y)
+    our_grads = torch.autograd.grad(ours, leaves, grad_y)
+    errors = {label: float((a[:8].float() - b[:8].float()).abs().max() / b[:8].float().abs().max().clamp(min=1e-6))
+              for label, a, b in zip(["y", "grad_x", "grad_probs", "grad_w1", "grad_w2"], (ours, *our_grads),
+                                     (ref, *ref_grads))}  # the first 8 rows / experts: fp32 copies of all would not fit
+    del ref, ours, ref_grads, our_grads
+    assert all(e < 2e-2 for e in errors.values()), f"{name}: fused layer disagrees: {errors}"
+
+    def step(forward, inputs, grad):
+        def run():
+            out = forward()
+            torch.autograd.grad(out, inputs, grad)
+        return run
+
+    m = pre.row_id_map
+    row_token = _row_tokens(m, m.num_rows)
+    seg_start, seg_count = m.segment_offsets[:E], m.segment_counts
+    times = {
+        "layer_fused": timed(step(fused, leaves, grad_y), iters, reps),
+        "layer_standalone": timed(step(standalone, leaves, grad_y), iters, reps),
+        "layer_torch": timed(step(lambda: torch_layer(x, ids, probs, w1, w2, E), leaves, grad_y), iters, reps),
+        "layer_grouped_rows": timed(step(lambda: experts(grouped, w1, w2, ends), [grouped, w1, w2], grad_grouped),
+                                    iters, reps),
+        "fwd_fused": timed(lambda: fused(), iters, reps),
+        "fwd_standalone": timed(lambda: standalone(), iters, reps),
+        "fwd_grouped_rows": timed(lambda: experts(grouped, w1, w2, ends), iters, reps),
+        "gemm1_gather": timed(lambda: triton_gemm.gather_gemm(x, row_token, w1, seg_start, seg_count, m.num_rows),
+                              iters, reps),
+        "gemm1_grouped_mm": timed(lambda: torch._grouped_mm(pre.tokens, w1, offs=ends), iters, reps),
+        "permute": timed(lambda: mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k), iters, reps),
+    }
+    return dict(shape=name, N=N, H=H, E=E, k=k, F=Fw, time_us=times, max_rel_error=errors)
+
+
+def sweep(name, N, H, E, k, Fw, mod):
+    """Tile shapes of the gather GEMM at one shape, us per call, beside permute + torch._grouped_mm."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randn(N, E, device="cuda", generator=g).topk(k, dim=-1).indices.to(torch.int32)
+    probs = torch.rand(N, k, device="cuda", generator=g)
+    w1 = torch.randn(E, H, 2 * Fw, device="cuda", generator=g).to(torch.bfloat16)
+    pre = mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k)
+    m = pre.row_id_map
+    row_token = _row_tokens(m, m.num_rows)
+    seg_start, seg_count = m.segment_offsets[:E], m.segment_counts
+    ends = (seg_start + seg_count).to(torch.int32)
+    out = {}
+    for bm, bn, bk, group, warps, stages in [(128, 256, 64, 8, 8, 3), (128, 256, 64, 1, 8, 3), (128, 256, 64, 16, 8, 3),
+                                             (256, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 4),
+                                             (128, 128, 64, 8, 4, 4), (64, 256, 64, 8, 8, 4)]:
+        tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
+                     UPCAST=False)
+        key = f"{bm}x{bn}x{bk} g{group} w{warps} s{stages}"
+        try:
+            out[f"gather {key}"] = timed(lambda: triton_gemm.gather_gemm(x, row_token, w1, seg_start, seg_count,
+                                                                         m.num_rows, tiles), 5, 3)
+        except Exception as e:  # noqa: BLE001 (out of shared memory: recorded, not fatal)
+            out[f"gather {key}"] = f"failed: {type(e).__name__}"
+    out["torch._grouped_mm"] = timed(lambda: torch._grouped_mm(pre.tokens, w1, offs=ends), 5, 3)
+    out["permute + torch._grouped_mm"] = timed(
+        lambda: torch._grouped_mm(mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k).tokens, w1,
+                                  offs=ends), 5, 3)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="time tile shapes of the gather kernels instead")
+    args = parser.parse_args()
+    mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True)
+    if args.sweep:
+        for shape in SHAPES:
+            print(shape[0], json.dumps(sweep(*shape, mod), indent=1), flush=True)
+        return
+    results = []
+    for shape in SHAPES + SMALL_SHAPES:
+        results.append(run_shape(*shape, mod, args.iters, args.reps))
+        print(json.dumps(results[-1]), flush=True)
+        torch.cuda.empty_cache()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_layer.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
+    lines = [f"permgen expert layer, forward + backward, {meta['gpu']}, torch {meta['torch']}, us per call", ""]
+    for r in results:
+        t = r["time_us"]
+        lines.append(f"{r['shape']}: N={r['N']} H={r['H']} E={r['E']} k={r['k']} F={r['F']}")
+        lines.append("  layer fwd+bwd: fused {layer_fused}  standalone permute {layer_standalone}  PyTorch permutation "
+                     "{layer_torch}  GEMMs on grouped rows {layer_grouped_rows}".format(**t))
+        lines.append(f"  fused / grouped rows {t['layer_fused'] / t['layer_grouped_rows']:.3f}, "
+                     f"standalone / grouped rows {t['layer_standalone'] / t['layer_grouped_rows']:.3f}")
+        lines.append("  forward: fused {fwd_fused}  standalone {fwd_standalone}  grouped rows {fwd_grouped_rows}"
+                     .format(**t))
+        lines.append(f"  first GEMM: gather {t['gemm1_gather']} vs torch._grouped_mm {t['gemm1_grouped_mm']} "
+                     f"({t['gemm1_gather'] / t['gemm1_grouped_mm']:.2f}x), permute {t['permute']}")
+    (args.out / "bench_layer.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

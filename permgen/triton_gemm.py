@@ -1,0 +1,105 @@
+"""The grouped GEMM that reads its rows through permute's row map, so that the expert MLP
+(permgen.expert_mlp) needs no permuted copy of the tokens: its A operand is token rows gathered in
+the prologue.
+
+Rows are expert-major, as permute lays them out: expert e owns rows [start[e], start[e] + count[e])
+(padding included). row_token[r] is the token whose row r is (-1: a pad row, read as zeros).
+
+    gather_gemm: out[r] = tokens[row_token[r]] @ w[e]    for r in expert e's segment
+
+It accumulates in fp32 and stores in the tokens' dtype, as torch._grouped_mm does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _segment_of_tile(tile_ends_ptr, tile, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, its first tile) of a program's row tile; expert == E: past the last tile."""
+    experts = tl.arange(0, BLOCK_E)
+    ends = tl.load(tile_ends_ptr + experts, mask=experts < E, other=2**30)
+    expert = tl.sum((ends <= tile).to(tl.int32), axis=0)
+    first = tl.load(tile_ends_ptr + expert - 1, mask=expert > 0, other=0)
+    return expert, first
+
+
+@triton.jit
+def gather_gemm_kernel(
+    tokens_ptr,  # [T, K] token rows
+    row_token_ptr,  # int32 [M]: each row's token (-1: pad row)
+    w_ptr,  # [E, K, N] (any strides)
+    out_ptr,  # [M, N] out
+    seg_start_ptr,  # int32 [E]: first row of each expert
+    seg_count_ptr,  # int32 [E]: rows of each expert
+    tile_ends_ptr,  # int32 [E]: row tiles of experts 0..e together
+    N,
+    K,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    row_tiles,
+    n_tiles,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot fp32 copies of the (exact) inputs: the CPU interpreter's dot has no bf16
+):
+    # Programs run GROUP_M row tiles by all column tiles at a time, row tiles fastest: the weight
+    # columns they load stay in L2 for the group's other row tiles.
+    pid = tl.program_id(0)
+    in_group = GROUP_M * n_tiles
+    first_tile = pid // in_group * GROUP_M
+    group_rows = tl.minimum(row_tiles - first_tile, GROUP_M)
+    tile = first_tile + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    expert, first = _segment_of_tile(tile_ends_ptr, tile, E, BLOCK_E)
+    if expert < E:
+        seg_start = tl.load(seg_start_ptr + expert)
+        seg_end = seg_start + tl.load(seg_count_ptr + expert)
+        rows = seg_start + (tile - first) * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_seg = rows < seg_end
+        token = tl.load(row_token_ptr + rows, mask=in_seg, other=-1)
+        live = token >= 0
+        src = tokens_ptr + tl.where(live, token, 0).to(tl.int64)[:, None] * K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            a = tl.load(src + k[None, :], mask=live[:, None] & (k[None, :] < K), other=0.0)
+            b = tl.load(w + k[:, None].to(tl.int64) * stride_wk, mask=(k[:, None] < K) & (cols[None, :] < N),
+                        other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        dst = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=in_seg[:, None] & (cols[None, :] < N))
+
+
+# Tile shapes for the H200 (bf16, wgmma); the CPU interpreter uses the smallest tl.dot allows.
+_GPU_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, UPCAST=False)
+_CPU_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, UPCAST=True)
+
+
+def gather_gemm(tokens, row_token, w, seg_start, seg_count, num_rows, tiles=None):
+    """[num_rows, N] = per expert, its gathered token rows @ w[e]; rows past the segments are not
+    written. tiles: the kernel's tile constexprs (default: this module's choice)."""
+    E, K, N = w.shape
+    out = torch.empty((num_rows, N), dtype=tokens.dtype, device=tokens.device)
+    meta = tiles or dict(_GPU_TILES if tokens.device.type == "cuda" else _CPU_TILES)
+    tile_ends = torch.cumsum((seg_count + meta["BLOCK_M"] - 1) // meta["BLOCK_M"], 0, dtype=torch.int32)
+    n_tiles = triton.cdiv(N, meta["BLOCK_N"])
+    row_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + E  # at most one partial tile per expert
+    if num_rows and N:
+        gather_gemm_kernel[(row_tiles * n_tiles,)](
+            tokens, row_token, w, out, seg_start, seg_count, tile_ends, N, K, w.stride(0), w.stride(1), w.stride(2),
+            row_tiles, n_tiles, E=E, BLOCK_E=triton.next_power_of_2(E), **meta)
+    return out

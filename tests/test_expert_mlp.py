@@ -1,0 +1,160 @@
+"""The expert MLP with the permutation folded into its GEMMs (`module.expert_mlp`, every Triton
+variant whose spec entry says expert_mlp = true) against the plain-PyTorch layer: the reference
+permute, each expert's SwiGLU MLP as fp32 matmuls rounded to bf16 (what a grouped GEMM stores),
+the reference unpermute; forward and every gradient, through autograd.
+
+Sums are compared with tolerances; the result must be deterministic (bit-identical reruns).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import permgen
+from cases import DEVICE, HAS_CUDA, Case, expert_ids, generator_for, load, num_out_tokens_for, routing_from_ids, to_device
+from reference import permute_ref, unpermute_ref
+
+MLP_VARIANTS = sorted(n for n, v in permgen.VARIANTS.items() if v["expert_mlp"] and "triton" in v["targets"])
+# H and F are multiples of 8: torch._grouped_mm's rows are 16-byte aligned on the GPU.
+CASES = [
+    (Case("basic", N=37, H=40, E=7, k=3), 24),
+    (Case("empty", N=0, H=32, E=4, k=2), 16),
+    (Case("one_expert_idle", N=12, H=48, E=9, k=2), 8),  # more experts than routes fill
+    (Case("dropped", N=29, H=32, E=6, k=3, cap="drop"), 16),
+    (Case("spare_rows", N=11, H=32, E=4, k=2, cap="spare"), 16),
+    (Case("ragged", N=19, H=40, E=5, k=4, ragged=True), 24),
+]
+
+
+def swiglu(h):
+    gate, up = h.chunk(2, dim=1)
+    return F.silu(gate) * up
+
+
+def mlp_ref(tokens, routing, probs, w1, w2, variant, num_experts, num_out_tokens):
+    """permute_ref -> per expert, SwiGLU MLP (fp32 products rounded to the tokens' dtype) -> unpermute_ref."""
+    rows, _, _, _, routes = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=num_experts,
+                                        pad=variant["pad"], num_out_tokens=num_out_tokens)
+    start = routes.segment_start.tolist()
+    counts = routes.tokens_per_expert.tolist()
+    outs = []
+    for e in range(num_experts):
+        x = rows[start[e]:start[e] + counts[e]]
+        h = (x.float() @ w1[e].float()).to(tokens.dtype)
+        outs.append((swiglu(h).float() @ w2[e].float()).to(tokens.dtype))
+    out = torch.cat(outs) if outs else rows.new_zeros((0, w2.shape[2]))
+    # rows past the segments (spare rows) are zeros in permute; give them zero outputs too
+    out = torch.cat([out, out.new_zeros((rows.shape[0] - out.shape[0], out.shape[1]))])
+    return unpermute_ref(out, routes, tokens.shape[0], probs)
+
+
+def make_case(name, case, width, g):
+    variant = permgen.VARIANTS[name]
+    tokens = torch.randn(case.N, case.H, generator=g).to(torch.bfloat16)
+    routing = routing_from_ids(variant, expert_ids(case.N, case.E, case.k, g, case.ragged), case.E)
+    probs = None
+    if variant["probs"]:
+        probs = torch.rand(case.N, case.E if variant["routing"] == "mask" else case.k, generator=g)
+    w1 = (torch.randn(case.E, case.H, 2 * width, generator=g) * case.H ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(case.E, width, case.H, generator=g) * width ** -0.5).to(torch.bfloat16)
+    return variant, to_device(DEVICE, tokens, routing, probs, w1, w2)
+
+
+def close(got, want, what):
+    """Values summed in fp32 and rounded to bf16 (several roundings deep): 2% of the largest value."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    scale = float(want.detach().float().abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=2e-2, atol=2e-2 * max(scale, 1e-3),
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("case, width", CASES, ids=[c.name for c, _ in CASES])
+@pytest.mark.parametrize("name", MLP_VARIANTS)
+def test_expert_mlp_matches_reference(name, case, width, request, poisoned_empty):
+    g = generator_for(request)
+    variant, (tokens, routing, probs, w1, w2) = make_case(name, case, width, g)
+    needed = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E,
+                         pad=variant["pad"])[0].shape[0]
+    num_out_tokens = num_out_tokens_for(case, needed)
+    mod = load("triton", name)
+    ours_in = [t.clone().requires_grad_() for t in (tokens, w1, w2)]
+    ref_in = [t.clone().requires_grad_() for t in (tokens, w1, w2)]
+    p_ours = p_ref = None
+    if probs is not None:
+        p_ours, p_ref = probs.clone().requires_grad_(), probs.clone().requires_grad_()
+    y = mod.expert_mlp(ours_in[0], routing, p_ours, ours_in[1], ours_in[2], num_experts=case.E,
+                       num_out_tokens=num_out_tokens)
+    want = mlp_ref(ref_in[0], routing, p_ref, ref_in[1], ref_in[2], variant, case.E, num_out_tokens)
+    close(y, want, "output")
+    grad = torch.randn(y.shape, generator=g).to(y.dtype).to(DEVICE)
+    leaves_ours = ours_in + ([p_ours] if p_ours is not None else [])
+    leaves_ref = ref_in + ([p_ref] if p_ref is not None else [])
+    got_grads = torch.autograd.grad(y, leaves_ours, grad, allow_unused=True)
+    want_grads = torch.autograd.grad(want, leaves_ref, grad, allow_unused=True)
+    for label, a, b in zip(["tokens", "w1", "w2", "probs"], got_grads, want_grads):
+        if b is None:  # nothing routed: the reference's graph does not reach this input
+            assert a is None or not a.any(), f"grad {label}: nonzero without routes"
+            continue
+        close(a, b, f"grad {label}")
+    # Deterministic: a rerun gives the same bits, forward and backward.
+    again = mod.expert_mlp(ours_in[0], routing, p_ours, ours_in[1], ours_in[2], num_experts=case.E,
+                           num_out_tokens=num_out_tokens)
+    assert torch.equal(again, y)
+    assert all(a is None or torch.equal(a, b) for a, b in
+               zip(torch.autograd.grad(again, leaves_ours, grad, allow_unused=True), got_grads))
+
+
+def test_expert_mlp_bad_input(request):
+    name = "probs_bf16_index"
+    g = generator_for(request)
+    case = Case("bad", N=6, H=16, E=4, k=2)
+    _, (tokens, routing, probs, w1, w2) = make_case(name, case, 8, g)
+    mod = load("triton", name)
+    with pytest.raises(ValueError, match=r"w1 must be \[E, H, 2F\]"):
+        mod.expert_mlp(tokens, routing, probs, w1[:, :8], w2, num_experts=4)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, F, H\]"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2[:, :4], num_experts=4)
+    with pytest.raises(ValueError, match="w1 must be a 3-D tensor"):
+        mod.expert_mlp(tokens, routing, probs, w1[0], w2, num_experts=4)
+    with pytest.raises(ValueError, match="w2 must be torch.bfloat16"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2.float(), num_experts=4)
+    with pytest.raises(ValueError, match="num_experts=5 but the weights hold 4 experts"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=5)
+    with pytest.raises(ValueError, match="ids"):  # permute's own routing check
+        mod.expert_mlp(tokens, torch.full_like(routing, 7), probs, w1, w2, num_experts=4)
+    plain = load("triton", "bf16_index")
+    with pytest.raises(ValueError, match="this variant has no probs"):
+        plain.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4)
+
+
+def test_only_spec_variants_have_it():
+    """The option adds expert_mlp to exactly the Triton modules whose spec entry asks for it."""
+    for name, v in permgen.VARIANTS.items():
+        if "triton" in v["targets"]:
+            assert hasattr(load("triton", name), "expert_mlp") == v["expert_mlp"], name
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="a real shape needs the GPU")
+def test_expert_mlp_real_shape_matches_unfused_layer():
+    """Qwen3-like at N=2048 on the GPU: the same values as permute -> torch._grouped_mm -> unpermute."""
+    mod = load("triton", "probs_bf16_index")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    N, H, E, k, width = 2048, 2048, 128, 8, 768
+    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
+    top, ids = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
+    ids, probs = ids.to(torch.int32), top.contiguous()
+    w1 = (torch.randn(E, H, 2 * width, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, width, H, device="cuda", generator=g) * width ** -0.5).to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
+    ref_leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
+    y = mod.expert_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], num_experts=E)
+    res = mod.permute(ref_leaves[0], ids, ref_leaves[1], num_experts=E)
+    m = res.row_id_map
+    ends = (m.segment_offsets[:E] + m.segment_counts).to(torch.int32)
+    h = torch._grouped_mm(res.tokens, ref_leaves[2], offs=ends)
+    want = mod.unpermute(torch._grouped_mm(swiglu(h), ref_leaves[3], offs=ends), m, ref_leaves[1])
+    close(y, want, "output")
+    grad = torch.randn(y.shape, device="cuda", generator=g).to(torch.bfloat16)
+    for label, a, b in zip(["x", "probs", "w1", "w2"], torch.autograd.grad(y, leaves, grad),
+                           torch.autograd.grad(want, ref_leaves, grad)):
+        close(a, b, f"grad {label}")
