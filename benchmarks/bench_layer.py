@@ -1,6 +1,7 @@
-"""A whole MoE expert layer, forward + backward, on one GPU: the permutation folded into the expert
-GEMMs (permgen's expert_mlp) against the same layer with permgen's standalone permute / unpermute,
-a PyTorch-native permutation, and the same GEMMs on rows already grouped (no permutation at all).
+"""A whole MoE expert layer, forward + backward, on one GPU: permgen's expert_mlp (its default, and
+save_memory=True, whose first GEMM gathers the tokens through the row map) against the same layer
+with permgen's standalone permute / unpermute, a PyTorch-native permutation, and the same GEMMs on
+rows already grouped (no permutation at all); and the activation memory each keeps for backward.
 
     python3 benchmarks/bench_layer.py --out benchmarks/results      (part of `make bench`)
 
@@ -58,6 +59,10 @@ def experts(rows, w1, w2, ends):
     return torch._grouped_mm(swiglu(torch._grouped_mm(rows, w1, offs=ends)), w2, offs=ends)
 
 
+def relative_error(got, want):
+    return round(float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)), 6)
+
+
 def torch_layer(x, ids, probs, w1, w2, E):
     """The PyTorch-native permutation: argsort by expert, index_select, index_add_ back."""
     N, k = ids.shape
@@ -85,7 +90,10 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
         ends = (m.segment_offsets[:E] + m.segment_counts).to(torch.int32)
         return mod.unpermute(experts(res.tokens, w1, w2, ends), m, probs)
 
-    def fused():
+    def fused():  # the first GEMM gathers the token rows (no permuted copy)
+        return mod.expert_mlp(x, ids, probs, w1, w2, num_experts=E, num_out_tokens=N * k, save_memory=True)
+
+    def one_call():  # expert_mlp's default: the standalone composition in one call
         return mod.expert_mlp(x, ids, probs, w1, w2, num_experts=E, num_out_tokens=N * k)
 
     # Grouped rows: the layer's GEMMs and SwiGLU on rows already in expert order, no permutation.
@@ -98,9 +106,9 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
     ref, ours = standalone(), fused()
     ref_grads = torch.autograd.grad(ref, leaves, grad_y)
     our_grads = torch.autograd.grad(ours, leaves, grad_y)
-    errors = {label: float((a[:8].float() - b[:8].float()).abs().max() / b[:8].float().abs().max().clamp(min=1e-6))
-              for label, a, b in zip(["y", "grad_x", "grad_probs", "grad_w1", "grad_w2"], (ours, *our_grads),
-                                     (ref, *ref_grads))}  # the first 8 rows / experts: fp32 copies of all would not fit
+    errors = {label: relative_error(a.detach()[:8], b.detach()[:8])  # the first 8 rows / experts: fp32 copies of
+              for label, a, b in zip(["y", "grad_x", "grad_probs", "grad_w1", "grad_w2"],  # all would not fit
+                                     (ours, *our_grads), (ref, *ref_grads))}
     del ref, ours, ref_grads, our_grads
     assert all(e < 2e-2 for e in errors.values()), f"{name}: fused layer disagrees: {errors}"
 
@@ -115,6 +123,7 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
     seg_start, seg_count = m.segment_offsets[:E], m.segment_counts
     times = {
         "layer_fused": timed(step(fused, leaves, grad_y), iters, reps),
+        "layer_expert_mlp": timed(step(one_call, leaves, grad_y), iters, reps),
         "layer_standalone": timed(step(standalone, leaves, grad_y), iters, reps),
         "layer_torch": timed(step(lambda: torch_layer(x, ids, probs, w1, w2, E), leaves, grad_y), iters, reps),
         "layer_grouped_rows": timed(step(lambda: experts(grouped, w1, w2, ends), [grouped, w1, w2], grad_grouped),
@@ -127,7 +136,20 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
         "gemm1_grouped_mm": timed(lambda: torch._grouped_mm(pre.tokens, w1, offs=ends), iters, reps),
         "permute": timed(lambda: mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k), iters, reps),
     }
-    return dict(shape=name, N=N, H=H, E=E, k=k, F=Fw, time_us=times, max_rel_error=errors)
+    kept = {"fused": kept_mib(fused), "standalone": kept_mib(standalone)}
+    return dict(shape=name, N=N, H=H, E=E, k=k, F=Fw, time_us=times, max_rel_error=errors,
+                activation_mib_kept_for_backward=kept)
+
+
+def kept_mib(forward):
+    """MiB the forward pass leaves allocated for the backward pass (its output included)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    del out
+    return round(kept / 2**20, 1)
 
 
 def sweep(name, N, H, E, k, Fw, mod):
@@ -185,11 +207,14 @@ def main():
     for r in results:
         t = r["time_us"]
         lines.append(f"{r['shape']}: N={r['N']} H={r['H']} E={r['E']} k={r['k']} F={r['F']}")
-        lines.append("  layer fwd+bwd: fused {layer_fused}  standalone permute {layer_standalone}  PyTorch permutation "
-                     "{layer_torch}  GEMMs on grouped rows {layer_grouped_rows}".format(**t))
-        lines.append(f"  fused / grouped rows {t['layer_fused'] / t['layer_grouped_rows']:.3f}, "
+        lines.append("  layer fwd+bwd: gather GEMM (save_memory) {layer_fused}  expert_mlp default {layer_expert_mlp}  "
+                     "standalone permute {layer_standalone}  PyTorch permutation {layer_torch}  GEMMs on grouped rows "
+                     "{layer_grouped_rows}".format(**t))
+        kept = r["activation_mib_kept_for_backward"]
+        lines.append(f"  kept for the backward pass: save_memory {kept['fused']} MiB, standalone {kept['standalone']} MiB")
+        lines.append(f"  save_memory / grouped rows {t['layer_fused'] / t['layer_grouped_rows']:.3f}, "
                      f"standalone / grouped rows {t['layer_standalone'] / t['layer_grouped_rows']:.3f}")
-        lines.append("  forward: fused {fwd_fused}  standalone {fwd_standalone}  grouped rows {fwd_grouped_rows}"
+        lines.append("  forward: save_memory {fwd_fused}  standalone {fwd_standalone}  grouped rows {fwd_grouped_rows}"
                      .format(**t))
         lines.append(f"  first GEMM: gather {t['gemm1_gather']} vs torch._grouped_mm {t['gemm1_grouped_mm']} "
                      f"({t['gemm1_gather'] / t['gemm1_grouped_mm']:.2f}x), permute {t['permute']}")

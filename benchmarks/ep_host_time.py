@@ -73,7 +73,7 @@ def main():
     timed(dist, "all_to_all_single", "all_to_all_single (each)")
     timed(type(mod._ops.backend), "permute", "permute's launches (with the count exchange)")
     lines = [f"permgen dispatch host time, {torch.cuda.get_device_name()}, NCCL world size 1, probs_bf16_index",
-             "us per call (inclusive: a step's time includes the steps it calls)", ""]
+             "us per dispatch call: a step's time summed over its calls in one dispatch (\"2 per call\": both), and including the steps it calls", ""]
     for shape, N, H, E, k in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(1)
         tokens = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)

@@ -1,23 +1,23 @@
-"""The expert MLP with its permutation folded into the GEMMs, for Triton variants whose spec entry
-says `expert_mlp = true` (their generated module binds it: `module.expert_mlp`).
+"""The expert MLP of an MoE layer in one call, for Triton variants whose spec entry says
+`expert_mlp = true` (their generated module binds it: `module.expert_mlp`):
 
     y = unpermute(swiglu(permute(tokens) @ w1[e]) @ w2[e], merging probs)
 
-computed without the permuted copy of the tokens:
+Two ways, the same function (tests/test_expert_mlp.py), chosen by the caller:
 
-- forward: permute's routing alone (its row map, no rows moved); the first grouped GEMM gathers its
-  A rows from the tokens through the row map (permgen.triton_gemm.gather_gemm); SwiGLU; the second
-  grouped GEMM (torch._grouped_mm); the variant's unpermute kernels merge each expert row into its
-  token (weighted by its prob) in a fixed order, so the result is deterministic.
-- backward: unpermute's backward kernels, torch._grouped_mm for both data gradients and w2's
-  gradient, permute's backward kernels sum each token's rows, and w1's gradient gathers its token
-  rows in the prologue (permgen.triton_gemm.gather_wgrad).
+- default: permute -> torch._grouped_mm -> SwiGLU -> torch._grouped_mm -> unpermute, the fastest
+  on the H200 at every measured shape (benchmarks/results/bench_layer.txt).
+- save_memory=True: no permuted copy of the tokens. permute's routing alone (its row map, no rows
+  moved); the first grouped GEMM gathers its A rows from the tokens through the row map
+  (permgen.triton_gemm.gather_gemm); the rest as above. The backward pass gathers the rows again
+  for w1's gradient instead of keeping them: [M, H] less activation memory between forward and
+  backward (1.9 GB per layer at DeepSeek-V3's shape, N=16384), for more time (the gather GEMM runs
+  1.0-1.2x torch._grouped_mm's time).
 
-The same function as permute -> torch._grouped_mm -> SwiGLU -> torch._grouped_mm -> unpermute
-(tests/test_expert_mlp.py), minus the [M, H] permuted rows it neither writes, reads nor keeps for
-the backward pass. The merge stays in unpermute's kernels rather than the second GEMM's epilogue:
-a token's rows belong to different experts' tiles, which finish in no fixed order, so merging
-there takes atomic adds, whose result depends on that order.
+Either way the variant's unpermute kernels merge each expert row into its token in a fixed order,
+so the result is deterministic. The merge is not folded into the second GEMM's epilogue: a token's
+rows belong to different experts' tiles, which finish in no fixed order, so merging there takes
+atomic adds, whose result depends on that order.
 """
 
 from __future__ import annotations
@@ -94,7 +94,14 @@ class _ExpertMLP(torch.autograd.Function):
         return None, None, grad_tokens, grad_probs if needs[3] else None, grad_w1, grad_w2
 
 
-def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None, topk=None):
+def _segment_ends(row_id_map, experts):
+    """int32 [E + 1]: where each expert's rows start, pad rows included (torch._grouped_mm's groups
+    are contiguous), then where the last ends; capped at the rows there are."""
+    return row_id_map.segment_offsets[:experts + 1].clamp(max=row_id_map.num_rows)
+
+
+def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None, topk=None,
+                   save_memory=False):
     name, v = ops.name, ops.variant
     if probs is not None and not v.probs:
         raise ValueError(f"{name}: this variant has no probs; use a variant with probs = true")
@@ -114,21 +121,26 @@ def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num
                          f"{tuple(w1.shape)}, got {tuple(w2.shape)}")
     if num_experts is not None and num_experts != experts:
         raise ValueError(f"{name}: num_experts={num_experts} but the weights hold {experts} experts")
+    if not isinstance(save_memory, bool):
+        raise TypeError(f"{name}: save_memory must be a bool, got {type(save_memory).__name__}")
+    route_probs = None if probs is None else probs.detach()  # permute moves them; only unpermute's merge is differentiated
+    if not save_memory:
+        res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
+        ends = _segment_ends(res.row_id_map, experts)[1:]
+        out = torch._grouped_mm(_swiglu(torch._grouped_mm(res.tokens, w1, offs=ends)), w2, offs=ends)
+        return ops.unpermute(out, res.row_id_map, probs)
     tokens = tokens.contiguous()
     with torch.no_grad():  # permute's routing alone: the row map, no rows moved
-        res = ops.permute(tokens.new_empty((tokens.shape[0], 0)), routing,
-                          None if probs is None else probs.detach(), num_experts=experts,
+        res = ops.permute(tokens.new_empty((tokens.shape[0], 0)), routing, route_probs, num_experts=experts,
                           num_out_tokens=num_out_tokens, topk=topk)
     row_id_map = res.row_id_map
-    # Segments with their pad rows (zeros: row_token -1), so that torch._grouped_mm's groups, which
-    # are contiguous, are the experts' own rows.
-    offsets = row_id_map.segment_offsets.clamp(max=row_id_map.num_rows)
-    seg_start, ends = offsets[:experts], offsets[1:experts + 1]
+    offsets = _segment_ends(row_id_map, experts)  # pad rows in their expert's group (row_token -1: zeros)
+    seg_start, ends = offsets[:-1], offsets[1:]
 
     def gathered(tokens):
         with torch.no_grad():
-            return ops.permute(tokens, routing, None if probs is None else probs.detach(), num_experts=experts,
-                               num_out_tokens=row_id_map.num_rows, topk=topk).tokens
+            return ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=row_id_map.num_rows,
+                               topk=topk).tokens
 
     route = _Route(row_id_map, _row_tokens(row_id_map, row_id_map.num_rows), seg_start, ends - seg_start, ends,
                    gathered)
@@ -139,15 +151,16 @@ def bind_expert_mlp(ops):
     """The variant's expert MLP (its generated module's `expert_mlp`)."""
 
     def expert_mlp_(tokens, routing, probs=None, w1=None, w2=None, *, num_experts=None, num_out_tokens=None,
-                    topk=None):
-        """y [N, H] = unpermute(swiglu(permute(tokens) @ w1[e]) @ w2[e], probs), without the permuted copy.
+                    topk=None, save_memory=False):
+        """y [N, H] = unpermute(swiglu(permute(tokens) @ w1[e]) @ w2[e], probs).
 
-        tokens [N, H]; routing and probs as the variant's permute takes them (probs: the merging
-        probs, as unpermute's); w1 [E, H, 2F] (SwiGLU: the gate's F columns, then the up
-        projection's); w2 [E, F, H]. num_out_tokens and topk: permute's. Differentiable in tokens,
-        probs, w1 and w2."""
+        tokens [N, H] bf16; routing and probs as the variant's permute takes them (probs: the
+        merging probs, as unpermute's); w1 [E, H, 2F] (SwiGLU: the gate's F columns, then the up
+        projection's); w2 [E, F, H]. num_out_tokens and topk: permute's. save_memory=True: the
+        first GEMM reads the tokens through the row map, keeping no permuted copy for the backward
+        pass (slower; see permgen.expert_mlp). Differentiable in tokens, probs, w1 and w2."""
         return run_expert_mlp(ops, tokens, routing, probs, w1, w2, num_experts=num_experts,
-                              num_out_tokens=num_out_tokens, topk=topk)
+                              num_out_tokens=num_out_tokens, topk=topk, save_memory=save_memory)
 
     expert_mlp_.__name__ = "expert_mlp"
     return expert_mlp_

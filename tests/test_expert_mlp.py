@@ -1,5 +1,6 @@
-"""The expert MLP with the permutation folded into its GEMMs (`module.expert_mlp`, every Triton
-variant whose spec entry says expert_mlp = true) against the plain-PyTorch layer: the reference
+"""The expert MLP (`module.expert_mlp`, every Triton variant whose spec entry says expert_mlp =
+true), in both ways (default; save_memory=True, whose first GEMM gathers the tokens through the
+row map) against the plain-PyTorch layer: the reference
 permute, each expert's SwiGLU MLP as fp32 matmuls rounded to bf16 (what a grouped GEMM stores),
 the reference unpermute; forward and every gradient, through autograd.
 
@@ -68,9 +69,10 @@ def close(got, want, what):
                                msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
 @pytest.mark.parametrize("case, width", CASES, ids=[c.name for c, _ in CASES])
 @pytest.mark.parametrize("name", MLP_VARIANTS)
-def test_expert_mlp_matches_reference(name, case, width, request, poisoned_empty):
+def test_expert_mlp_matches_reference(name, case, width, save_memory, request, poisoned_empty):
     g = generator_for(request)
     variant, (tokens, routing, probs, w1, w2) = make_case(name, case, width, g)
     needed = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E,
@@ -83,7 +85,7 @@ def test_expert_mlp_matches_reference(name, case, width, request, poisoned_empty
     if probs is not None:
         p_ours, p_ref = probs.clone().requires_grad_(), probs.clone().requires_grad_()
     y = mod.expert_mlp(ours_in[0], routing, p_ours, ours_in[1], ours_in[2], num_experts=case.E,
-                       num_out_tokens=num_out_tokens)
+                       num_out_tokens=num_out_tokens, save_memory=save_memory)
     want = mlp_ref(ref_in[0], routing, p_ref, ref_in[1], ref_in[2], variant, case.E, num_out_tokens)
     close(y, want, "output")
     grad = torch.randn(y.shape, generator=g).to(y.dtype).to(DEVICE)
@@ -98,7 +100,7 @@ def test_expert_mlp_matches_reference(name, case, width, request, poisoned_empty
         close(a, b, f"grad {label}")
     # Deterministic: a rerun gives the same bits, forward and backward.
     again = mod.expert_mlp(ours_in[0], routing, p_ours, ours_in[1], ours_in[2], num_experts=case.E,
-                           num_out_tokens=num_out_tokens)
+                           num_out_tokens=num_out_tokens, save_memory=save_memory)
     assert torch.equal(again, y)
     assert all(a is None or torch.equal(a, b) for a, b in
                zip(torch.autograd.grad(again, leaves_ours, grad, allow_unused=True), got_grads))
@@ -122,6 +124,8 @@ def test_expert_mlp_bad_input(request):
         mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=5)
     with pytest.raises(ValueError, match="ids"):  # permute's own routing check
         mod.expert_mlp(tokens, torch.full_like(routing, 7), probs, w1, w2, num_experts=4)
+    with pytest.raises(TypeError, match="save_memory must be a bool"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, save_memory="yes")
     plain = load("triton", "bf16_index")
     with pytest.raises(ValueError, match="this variant has no probs"):
         plain.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4)
@@ -135,7 +139,8 @@ def test_only_spec_variants_have_it():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="a real shape needs the GPU")
-def test_expert_mlp_real_shape_matches_unfused_layer():
+@pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
+def test_expert_mlp_real_shape_matches_unfused_layer(save_memory):
     """Qwen3-like at N=2048 on the GPU: the same values as permute -> torch._grouped_mm -> unpermute."""
     mod = load("triton", "probs_bf16_index")
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -147,7 +152,7 @@ def test_expert_mlp_real_shape_matches_unfused_layer():
     w2 = (torch.randn(E, width, H, device="cuda", generator=g) * width ** -0.5).to(torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
     ref_leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
-    y = mod.expert_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], num_experts=E)
+    y = mod.expert_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], num_experts=E, save_memory=save_memory)
     res = mod.permute(ref_leaves[0], ids, ref_leaves[1], num_experts=E)
     m = res.row_id_map
     ends = (m.segment_offsets[:E] + m.segment_counts).to(torch.int32)
