@@ -8,7 +8,7 @@ rows already grouped (no permutation at all); and the activation memory each kee
 Per shape (N tokens, top-k routing over E experts from softmaxed random logits, SwiGLU experts of
 width F, bf16, variant probs_bf16_index): us per call, CUDA events, median of --reps runs of
 --iters calls. Also the first GEMM alone: the gather GEMM (tokens read through the row map) against
-torch._grouped_mm on grouped rows. Writes bench_layer.json / .txt.
+torch._grouped_mm on grouped rows. Writes bench_layer.json, .txt and .png (with matplotlib).
 """
 
 from __future__ import annotations
@@ -188,8 +188,13 @@ def main():
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--sweep", action="store_true", help="time tile shapes of the gather kernels instead")
+    parser.add_argument("--sweep", action="store_true", help="time tile shapes of the gather GEMM instead")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite bench_layer.txt and .png from --out/bench_layer.json (no GPU needed)")
     args = parser.parse_args()
+    if args.render_only:
+        render(args.out)
+        return
     mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True)
     if args.sweep:
         for shape in SHAPES:
@@ -203,8 +208,13 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_layer.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
-    lines = [f"permgen expert layer, forward + backward, {meta['gpu']}, torch {meta['torch']}, us per call", ""]
-    for r in results:
+    render(args.out)
+
+
+def report(run):
+    lines = [f"permgen expert layer, forward + backward, {run['meta']['gpu']}, torch {run['meta']['torch']}, us per call",
+             ""]
+    for r in run["results"]:
         t = r["time_us"]
         lines.append(f"{r['shape']}: N={r['N']} H={r['H']} E={r['E']} k={r['k']} F={r['F']}")
         lines.append("  layer fwd+bwd: gather GEMM (save_memory) {layer_fused}  expert_mlp default {layer_expert_mlp}  "
@@ -218,8 +228,43 @@ def main():
                      .format(**t))
         lines.append(f"  first GEMM: gather {t['gemm1_gather']} vs torch._grouped_mm {t['gemm1_grouped_mm']} "
                      f"({t['gemm1_gather'] / t['gemm1_grouped_mm']:.2f}x), permute {t['permute']}")
-    (args.out / "bench_layer.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def plot(run, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [("layer_grouped_rows", "GEMMs on grouped rows"), ("layer_expert_mlp", "expert_mlp"),
+            ("layer_fused", "expert_mlp(save_memory=True)"), ("layer_torch", "PyTorch permutation")]
+    results = run["results"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        xs = [x + i * width for x in range(len(results))]
+        ax.bar(xs, [r["time_us"][key] / r["time_us"]["layer_grouped_rows"] for r in results], width, label=label,
+               color=f"C{i}")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(results))],
+                  [f"{r['shape']}\nN={r['N']}" for r in results], fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_ylabel("time / GEMMs on grouped rows")
+    ax.set_title(f"MoE expert layer, forward + backward, bf16 SwiGLU, {run['meta']['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def render(out):
+    """bench_layer.txt and bench_layer.png (with matplotlib) from --out/bench_layer.json."""
+    run = json.loads((out / "bench_layer.json").read_text())
+    text = report(run)
+    (out / "bench_layer.txt").write_text(text)
+    print(text)
+    try:
+        plot(run, out / "bench_layer.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
 
 
 if __name__ == "__main__":

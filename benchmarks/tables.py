@@ -7,7 +7,8 @@
 Each table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` in PERFORMANCE.md or
 README.md; everything between the markers is replaced. The sources are benchmarks/results/
 bench.json (make bench), bench_quantize.json (make bench-quantize, part of make bench) and
-bench_ep.json (make bench-ep). A table whose results are absent renders as nothing. Needs no GPU.
+bench_ep.json (make bench-ep) and bench_layer.json (part of make bench). A table whose results are
+absent renders as nothing. Needs no GPU.
 """
 
 import argparse
@@ -23,7 +24,8 @@ OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd")
 OP_HEADERS = "permute | unpermute | permute bwd | unpermute bwd"
 LARGE_SHAPES = {"deepseek_v3": ("DeepSeek-V3", "H=7168, E=256, k=8"), "qwen3_moe": ("Qwen3-MoE", "H=2048, E=128, k=8"),
                 "mixtral": ("Mixtral", "H=4096, E=8, k=2")}
-SMALL_SHAPES = {"deepseek_v3_4k": ("DeepSeek-V3, N=4096", ""), "small": ("small", "N=1024, H=1024, E=16, k=2")}
+SMALL_SHAPES = {"deepseek_v3_4k": ("DeepSeek-V3, N=4096", ""), "small": ("small", "N=1024, H=1024, E=16, k=2"),
+                "qwen3_moe_n2048": ("Qwen3-MoE, N=2048", "")}
 SHAPES = {**LARGE_SHAPES, **SMALL_SHAPES}
 ROWS = [("probs_bf16_mask", "plain"), ("probs_bf16_mask", "topk"), ("probs_bf16_index", "plain"),
         ("probs_pad128_bf16_mask", "plain"), ("probs_pad128_bf16_mask", "topk"),
@@ -266,9 +268,26 @@ def ep_estimate_table(ep):
                   "local combine", "local share of dispatch"], rows) if rows else ""
 
 
+def layer_table(layer):
+    """The expert layer, forward + backward (bench_layer.json): ms, ratios to the GEMMs on grouped
+    rows, activation memory kept for the backward pass, and the gather GEMM against torch._grouped_mm."""
+    rows = []
+    for r in layer["results"]:
+        t, kept = r["time_us"], r["activation_mib_kept_for_backward"]
+        base = t["layer_grouped_rows"]
+        rows.append([SHAPES.get(r["shape"], (r["shape"],))[0], *(f"{t[key] / 1e3:.2f}" for key in (
+            "layer_grouped_rows", "layer_expert_mlp", "layer_fused", "layer_standalone", "layer_torch")),
+            fmt(t["layer_expert_mlp"] / base), fmt(t["layer_fused"] / base),
+            f"{kept['standalone'] / 1024:.2f} / {kept['fused'] / 1024:.2f}", fmt(t["gemm1_gather"] / t["gemm1_grouped_mm"])])
+    return table(["shape", "GEMMs on grouped rows", "expert_mlp", "save_memory=True", "permute + GEMMs + unpermute",
+                  "PyTorch permutation", "expert_mlp / grouped", "save_memory / grouped",
+                  "kept for backward, GiB (default / save_memory)", "gather GEMM / torch._grouped_mm"], rows)
+
+
 def render_all(results=RESULTS):
     """Table name -> Markdown (empty where its results are absent)."""
-    bench, quant, ep = (load(results, name) for name in ("bench.json", "bench_quantize.json", "bench_ep.json"))
+    bench, quant, ep, layer = (load(results, name) for name in ("bench.json", "bench_quantize.json", "bench_ep.json",
+                                                                  "bench_layer.json"))
     tables = {}
     if bench:
         tables.update({"run": run_line(bench), "variants": variants_table(bench),
@@ -283,6 +302,8 @@ def render_all(results=RESULTS):
         tables.update({"ep-times": ep_times_table(ep), "ep-capacity": ep_capacity_table(ep),
                        "ep-beyond": ep_beyond_table(ep),
                        "ep-estimate": ep_estimate_table(ep)})
+    if layer:
+        tables["layer"] = layer_table(layer)
     return tables
 
 
