@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import permgen  # noqa: E402
 from permgen import triton_gemm  # noqa: E402
-from permgen.expert_mlp import _row_tokens  # noqa: E402
+from permgen.expert_mlp import _route_tables, _segment_ends  # noqa: E402
 
 SHAPES = [("qwen3_moe", 16384, 2048, 128, 8, 768), ("deepseek_v3", 16384, 7168, 256, 8, 2048),
           ("mixtral", 16384, 4096, 8, 2, 14336)]  # name, N, H, E, k, F
@@ -119,8 +119,8 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
         return run
 
     m = pre.row_id_map
-    row_token = _row_tokens(m, m.num_rows)
-    seg_start, seg_count = m.segment_offsets[:E], m.segment_counts
+    row_token = _route_tables(m)[0]
+    bounds = _segment_ends(m, E)
     times = {
         "layer_fused": timed(step(fused, leaves, grad_y), iters, reps),
         "layer_expert_mlp": timed(step(one_call, leaves, grad_y), iters, reps),
@@ -131,7 +131,7 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
         "fwd_fused": timed(lambda: fused(), iters, reps),
         "fwd_standalone": timed(lambda: standalone(), iters, reps),
         "fwd_grouped_rows": timed(lambda: experts(grouped, w1, w2, ends), iters, reps),
-        "gemm1_gather": timed(lambda: triton_gemm.gather_gemm(x, row_token, w1, seg_start, seg_count, m.num_rows),
+        "gemm1_gather": timed(lambda: triton_gemm.launch_gather_gemm(x.detach(), row_token, w1.detach(), bounds),
                               iters, reps),
         "gemm1_grouped_mm": timed(lambda: torch._grouped_mm(pre.tokens, w1, offs=ends), iters, reps),
         "permute": timed(lambda: mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k), iters, reps),
@@ -161,9 +161,9 @@ def sweep(name, N, H, E, k, Fw, mod):
     w1 = torch.randn(E, H, 2 * Fw, device="cuda", generator=g).to(torch.bfloat16)
     pre = mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k)
     m = pre.row_id_map
-    row_token = _row_tokens(m, m.num_rows)
-    seg_start, seg_count = m.segment_offsets[:E], m.segment_counts
-    ends = (seg_start + seg_count).to(torch.int32)
+    row_token = _route_tables(m)[0]
+    bounds = _segment_ends(m, E)
+    ends = bounds[1:]
     out = {}
     for bm, bn, bk, group, warps, stages in [(128, 256, 64, 8, 8, 3), (128, 256, 64, 1, 8, 3), (128, 256, 64, 16, 8, 3),
                                              (256, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 4),
@@ -172,8 +172,7 @@ def sweep(name, N, H, E, k, Fw, mod):
                      UPCAST=False)
         key = f"{bm}x{bn}x{bk} g{group} w{warps} s{stages}"
         try:
-            out[f"gather {key}"] = timed(lambda: triton_gemm.gather_gemm(x, row_token, w1, seg_start, seg_count,
-                                                                         m.num_rows, tiles), 5, 3)
+            out[f"gather {key}"] = timed(lambda: triton_gemm.launch_gather_gemm(x, row_token, w1, bounds, tiles), 5, 3)
         except Exception as e:  # noqa: BLE001 (out of shared memory: recorded, not fatal)
             out[f"gather {key}"] = f"failed: {type(e).__name__}"
     out["torch._grouped_mm"] = timed(lambda: torch._grouped_mm(pre.tokens, w1, offs=ends), 5, 3)

@@ -22,76 +22,32 @@ atomic adds, whose result depends on that order.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-from .triton_gemm import gather_gemm
+from .triton_gemm import GATHER_OPS
 
 
-def _row_tokens(row_id_map, num_rows):
-    """int32 [num_rows]: the token of each row (-1: a pad row), from the row map's routes, on the device."""
-    dst = row_id_map.dst_rows.long()
+def _route_tables(row_id_map):
+    """(row_token int32 [M]: each row's token, -1 for pad rows; token_rows int32 [N, W]: each
+    token's rows in slot order, -1 for none), from the row map's routes, on the device."""
+    dst = row_id_map.dst_rows
     live = dst >= 0
     if row_id_map.is_mask:  # a mask row map's slots past a token's route count hold no route
         slot = torch.arange(row_id_map.width, device=dst.device)
-        live &= slot[None, :] < row_id_map.route_counts.long()[:, None]
-    where = torch.where(live, dst, num_rows).reshape(-1)  # row num_rows: a sink for the dead slots
+        live &= slot[None, :] < row_id_map.route_counts[:, None]
+    token_rows = torch.where(live, dst, -1)
+    num_rows = row_id_map.num_rows
+    where = torch.where(live, dst, num_rows).reshape(-1).long()  # row num_rows: a sink for the dead slots
     tokens = torch.arange(row_id_map.num_tokens, dtype=torch.int32, device=dst.device)
     row_token = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=dst.device)
     row_token.scatter_(0, where, tokens.repeat_interleave(row_id_map.width))
-    return row_token[:num_rows]
+    return row_token[:num_rows], token_rows
 
 
 def _swiglu(h):
     gate, up = h.chunk(2, dim=1)
     return F.silu(gate) * up
-
-
-class _Route(NamedTuple):
-    """permute's routing of one call, as the GEMMs read it."""
-
-    row_id_map: object  # permgen.results.RowIdMap
-    row_token: torch.Tensor  # int32 [M]: each row's token (-1: pad row)
-    seg_start: torch.Tensor  # int32 [E]: each expert's first row
-    seg_count: torch.Tensor  # int32 [E]: its rows, pad rows included
-    ends: torch.Tensor  # int32 [E]: seg_start + seg_count, torch._grouped_mm's offs
-    gathered: Callable  # tokens -> their permuted rows [M, H] (w1's gradient reads them)
-
-
-class _ExpertMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ops, route, tokens, probs, w1, w2):
-        row_id_map, row_token, seg_start, seg_count, ends, _ = route
-        h = gather_gemm(tokens, row_token, w1, seg_start, seg_count, row_id_map.num_rows)
-        act = _swiglu(h)
-        out = torch._grouped_mm(act, w2, offs=ends)
-        ctx.ops, ctx.route = ops, route
-        ctx.save_for_backward(tokens, probs, w1, w2, h, act, out)
-        return ops.backend.unpermute(row_id_map, out, probs)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        ops, route = ctx.ops, ctx.route
-        row_id_map, ends = route.row_id_map, route.ends
-        tokens, probs, w1, w2, h, act, out = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        grad_out, grad_probs = ops.backend.unpermute_backward(row_id_map, grad_y.contiguous(),
-                                                              out if probs is not None else None, probs)
-        grad_w2 = torch._grouped_mm(act.t(), grad_out, offs=ends) if needs[5] else None
-        grad_act = torch._grouped_mm(grad_out, w2.transpose(-2, -1), offs=ends)
-        with torch.enable_grad():  # SwiGLU's own autograd formula, as the unfused layer runs it
-            h_ = h.detach().requires_grad_()
-            grad_h, = torch.autograd.grad(_swiglu(h_), h_, grad_act)
-        # w1's gradient on the gathered rows: a permute pass and torch._grouped_mm beat a GEMM
-        # gathering its rows (measured on the H200: benchmarks/results/bench_layer.txt)
-        grad_w1 = torch._grouped_mm(route.gathered(tokens).t(), grad_h, offs=ends) if needs[4] else None
-        grad_tokens = None
-        if needs[2]:
-            grad_rows = torch._grouped_mm(grad_h, w1.transpose(-2, -1), offs=ends)
-            grad_tokens = ops.backend.permute_backward(row_id_map, grad_rows, None, None).rows
-        return None, None, grad_tokens, grad_probs if needs[3] else None, grad_w1, grad_w2
 
 
 def _segment_ends(row_id_map, experts):
@@ -126,25 +82,16 @@ def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num
     route_probs = None if probs is None else probs.detach()  # permute moves them; only unpermute's merge is differentiated
     if not save_memory:
         res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
-        ends = _segment_ends(res.row_id_map, experts)[1:]
-        out = torch._grouped_mm(_swiglu(torch._grouped_mm(res.tokens, w1, offs=ends)), w2, offs=ends)
+        offs = _segment_ends(res.row_id_map, experts)[1:]
+        out = torch._grouped_mm(_swiglu(torch._grouped_mm(res.tokens, w1, offs=offs)), w2, offs=offs)
         return ops.unpermute(out, res.row_id_map, probs)
-    tokens = tokens.contiguous()
     with torch.no_grad():  # permute's routing alone: the row map, no rows moved
         res = ops.permute(tokens.new_empty((tokens.shape[0], 0)), routing, route_probs, num_experts=experts,
                           num_out_tokens=num_out_tokens, topk=topk)
-    row_id_map = res.row_id_map
-    offsets = _segment_ends(row_id_map, experts)  # pad rows in their expert's group (row_token -1: zeros)
-    seg_start, ends = offsets[:-1], offsets[1:]
-
-    def gathered(tokens):
-        with torch.no_grad():
-            return ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=row_id_map.num_rows,
-                               topk=topk).tokens
-
-    route = _Route(row_id_map, _row_tokens(row_id_map, row_id_map.num_rows), seg_start, ends - seg_start, ends,
-                   gathered)
-    return _ExpertMLP.apply(ops, route, tokens, probs, w1, w2)
+    ends = _segment_ends(res.row_id_map, experts)
+    h = GATHER_OPS.gather_gemm(tokens.contiguous(), *_route_tables(res.row_id_map), w1, ends)
+    out = torch._grouped_mm(_swiglu(h), w2, offs=ends[1:])
+    return ops.unpermute(out, res.row_id_map, probs)
 
 
 def bind_expert_mlp(ops):

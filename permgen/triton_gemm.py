@@ -1,13 +1,18 @@
 """The grouped GEMM that reads its rows through permute's row map, so that the expert MLP
-(permgen.expert_mlp) needs no permuted copy of the tokens: its A operand is token rows gathered in
-the prologue.
+(permgen.expert_mlp, save_memory=True) needs no permuted copy of the tokens, and the two row moves
+its backward pass needs. GatherOps registers them as torch.library custom
+ops on first use, so the layer traces under torch.compile.
 
-Rows are expert-major, as permute lays them out: expert e owns rows [start[e], start[e] + count[e])
-(padding included). row_token[r] is the token whose row r is (-1: a pad row, read as zeros).
+Rows are expert-major, as permute lays them out: expert e owns rows [ends[e], ends[e + 1]) (pad
+rows included). row_token [M] is the token of each row (-1: a pad row, read as zeros);
+token_rows [N, W] the rows of each token's routes (-1: no route), in slot order.
 
-    gather_gemm: out[r] = tokens[row_token[r]] @ w[e]    for r in expert e's segment
+    gather_gemm:    out[r] = tokens[row_token[r]] @ w[e]          r in expert e's rows
+                    backward: tokens' gradient sum_token_rows(grad @ w[e]^T), w's gathered rows^T @ grad
+    gather_rows:    out[r] = tokens[row_token[r]] (zeros for -1)
+    sum_token_rows: out[t] = sum over t's rows r of rows[r], in fp32, in slot order (deterministic)
 
-It accumulates in fp32 and stores in the tokens' dtype, as torch._grouped_mm does.
+The GEMM accumulates in fp32 and stores in the tokens' dtype, as torch._grouped_mm does.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .ops import _Registered
 
 
 @triton.jit
@@ -33,8 +40,7 @@ def gather_gemm_kernel(
     row_token_ptr,  # int32 [M]: each row's token (-1: pad row)
     w_ptr,  # [E, K, N] (any strides)
     out_ptr,  # [M, N] out
-    seg_start_ptr,  # int32 [E]: first row of each expert
-    seg_count_ptr,  # int32 [E]: rows of each expert
+    ends_ptr,  # int32 [E + 1]: each expert's first row, then the end of the last
     tile_ends_ptr,  # int32 [E]: row tiles of experts 0..e together
     N,
     K,
@@ -61,8 +67,8 @@ def gather_gemm_kernel(
     pid_n = (pid % in_group) // group_rows
     expert, first = _segment_of_tile(tile_ends_ptr, tile, E, BLOCK_E)
     if expert < E:
-        seg_start = tl.load(seg_start_ptr + expert)
-        seg_end = seg_start + tl.load(seg_count_ptr + expert)
+        seg_start = tl.load(ends_ptr + expert)
+        seg_end = tl.load(ends_ptr + expert + 1)
         rows = seg_start + (tile - first) * BLOCK_M + tl.arange(0, BLOCK_M)
         in_seg = rows < seg_end
         token = tl.load(row_token_ptr + rows, mask=in_seg, other=-1)
@@ -84,22 +90,132 @@ def gather_gemm_kernel(
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=in_seg[:, None] & (cols[None, :] < N))
 
 
-# Tile shapes for the H200 (bf16, wgmma); the CPU interpreter uses the smallest tl.dot allows.
+@triton.jit
+def gather_token_rows_kernel(tokens_ptr, row_token_ptr, out_ptr, hidden, BLOCK_H: tl.constexpr):
+    """out[r] = tokens[row_token[r]], zeros for -1; one program per row."""
+    row = tl.program_id(0)
+    token = tl.load(row_token_ptr + row)
+    src = tokens_ptr + tl.maximum(token, 0).to(tl.int64) * hidden
+    dst = out_ptr + row.to(tl.int64) * hidden
+    readable = tl.where(token >= 0, hidden, 0)  # a pad row reads nothing
+    cols = tl.arange(0, BLOCK_H)
+    for h0 in range(0, hidden, BLOCK_H):
+        tl.store(dst + h0 + cols, tl.load(src + h0 + cols, mask=h0 + cols < readable, other=0.0),
+                 mask=h0 + cols < hidden)
+
+
+@triton.jit
+def sum_token_rows_kernel(rows_ptr, token_rows_ptr, out_ptr, hidden, width, BLOCK_H: tl.constexpr):
+    """out[t] = the sum of t's rows in fp32, slot by slot; one program per token."""
+    token = tl.program_id(0)
+    dst = out_ptr + token.to(tl.int64) * hidden
+    cols = tl.arange(0, BLOCK_H)
+    for h0 in range(0, hidden, BLOCK_H):
+        inside = h0 + cols < hidden
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for slot in range(0, width):
+            row = tl.load(token_rows_ptr + token * width + slot)
+            src = rows_ptr + tl.maximum(row, 0).to(tl.int64) * hidden
+            readable = tl.where(row >= 0, hidden, 0)  # a slot without a route reads nothing
+            acc += tl.load(src + h0 + cols, mask=h0 + cols < readable, other=0.0).to(tl.float32)
+        tl.store(dst + h0 + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+# Tile shapes for the H200 (bf16, wgmma; the best of a sweep at three layer shapes:
+# benchmarks/bench_layer.py --sweep); the CPU interpreter uses the smallest tl.dot allows.
 _GPU_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, UPCAST=False)
 _CPU_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, UPCAST=True)
+_ROW_BLOCK = 1024  # columns a row program moves per step
 
 
-def gather_gemm(tokens, row_token, w, seg_start, seg_count, num_rows, tiles=None):
-    """[num_rows, N] = per expert, its gathered token rows @ w[e]; rows past the segments are not
-    written. tiles: the kernel's tile constexprs (default: this module's choice)."""
+def launch_gather_gemm(tokens, row_token, w, ends, tiles=None):
+    """[M, N] = per expert, its gathered token rows @ w[e]; rows past ends[E] are not written.
+    tiles: the kernel's tile constexprs (default: this module's choice)."""
     E, K, N = w.shape
+    num_rows = row_token.shape[0]
     out = torch.empty((num_rows, N), dtype=tokens.dtype, device=tokens.device)
     meta = tiles or dict(_GPU_TILES if tokens.device.type == "cuda" else _CPU_TILES)
-    tile_ends = torch.cumsum((seg_count + meta["BLOCK_M"] - 1) // meta["BLOCK_M"], 0, dtype=torch.int32)
+    tile_ends = torch.cumsum((ends[1:] - ends[:-1] + meta["BLOCK_M"] - 1) // meta["BLOCK_M"], 0, dtype=torch.int32)
     n_tiles = triton.cdiv(N, meta["BLOCK_N"])
     row_tiles = triton.cdiv(num_rows, meta["BLOCK_M"]) + E  # at most one partial tile per expert
-    if num_rows and N:
+    if num_rows and N and E:
         gather_gemm_kernel[(row_tiles * n_tiles,)](
-            tokens, row_token, w, out, seg_start, seg_count, tile_ends, N, K, w.stride(0), w.stride(1), w.stride(2),
+            tokens, row_token, w, out, ends, tile_ends, N, K, w.stride(0), w.stride(1), w.stride(2),
             row_tiles, n_tiles, E=E, BLOCK_E=triton.next_power_of_2(E), **meta)
     return out
+
+
+def launch_gather_rows(tokens, row_token):
+    out = torch.empty((row_token.shape[0], tokens.shape[1]), dtype=tokens.dtype, device=tokens.device)
+    if out.numel():
+        gather_token_rows_kernel[(row_token.shape[0],)](tokens, row_token, out, tokens.shape[1], BLOCK_H=_ROW_BLOCK)
+    return out
+
+
+def launch_sum_token_rows(rows, token_rows):
+    out = torch.empty((token_rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    if out.numel():
+        sum_token_rows_kernel[(token_rows.shape[0],)](rows, token_rows, out, rows.shape[1], token_rows.shape[1],
+                                                      BLOCK_H=_ROW_BLOCK)
+    return out
+
+
+class GatherOps(_Registered):
+    """The three as custom ops `permgen::triton_gather_gemm`, `triton_gather_rows` and
+    `triton_sum_token_rows` (defined on first use, as every permgen op), gather_gemm differentiable."""
+
+    def __init__(self):
+        super().__init__("triton")
+
+    def _register(self):
+        self._define({
+            "gather_gemm": (self._gather_gemm, self._gather_gemm_fake,
+                            "(Tensor tokens, Tensor row_token, Tensor token_rows, Tensor w, Tensor ends) -> Tensor"),
+            "gather_rows": (launch_gather_rows, self._gather_rows_fake, "(Tensor tokens, Tensor row_token) -> Tensor"),
+            "sum_token_rows": (launch_sum_token_rows, self._sum_token_rows_fake,
+                               "(Tensor rows, Tensor token_rows) -> Tensor"),
+        })
+        self._autograd("gather_gemm", self._gather_gemm_backward, self._gather_gemm_setup)
+
+    @staticmethod
+    def _gather_gemm(tokens, row_token, token_rows, w, ends):
+        return launch_gather_gemm(tokens, row_token, w, ends)
+
+    @staticmethod
+    def _gather_gemm_fake(tokens, row_token, token_rows, w, ends):
+        return tokens.new_empty((row_token.shape[0], w.shape[2]))
+
+    @staticmethod
+    def _gather_rows_fake(tokens, row_token):
+        return tokens.new_empty((row_token.shape[0], tokens.shape[1]))
+
+    @staticmethod
+    def _sum_token_rows_fake(rows, token_rows):
+        return rows.new_empty((token_rows.shape[0], rows.shape[1]))
+
+    def _gather_gemm_setup(self, ctx, inputs, output):
+        ctx.calls = self.op
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def _gather_gemm_backward(ctx, grad):
+        tokens, row_token, token_rows, w, ends = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        offs = ends[1:]  # torch._grouped_mm's groups: [offs[e - 1], offs[e]), the first from row 0
+        grad_tokens = grad_w = None
+        if needs[0]:
+            grad_tokens = ctx.calls["sum_token_rows"](torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs),
+                                                      token_rows)
+        if needs[3]:
+            grad_w = torch._grouped_mm(ctx.calls["gather_rows"](tokens, row_token).t(), grad, offs=offs)
+        return grad_tokens, None, None, grad_w, None
+
+    def gather_gemm(self, tokens, row_token, token_rows, w, ends):
+        """The op where autograd or torch.compile needs it, else the kernel alone."""
+        calls = self._calls(tokens, w)
+        if calls is None:
+            return launch_gather_gemm(tokens, row_token, w, ends)
+        return calls["gather_gemm"](tokens, row_token, token_rows, w, ends)
+
+
+GATHER_OPS = GatherOps()

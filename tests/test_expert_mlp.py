@@ -163,3 +163,53 @@ def test_expert_mlp_real_shape_matches_unfused_layer(save_memory):
     for label, a, b in zip(["x", "probs", "w1", "w2"], torch.autograd.grad(y, leaves, grad),
                            torch.autograd.grad(want, ref_leaves, grad)):
         close(a, b, f"grad {label}")
+
+
+@pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
+def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
+    """Under torch.compile(fullgraph=True) (num_out_tokens given: static shapes), forward and
+    gradients bit-identical to the eager call."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    name = "probs_bf16_index"
+    case = Case("compile", N=9, H=32, E=3, k=2)
+    g = generator_for(request)
+    _, (tokens, routing, probs, w1, w2) = make_case(name, case, 16, g)
+    mod = load("triton", name)
+
+    def layer(x, p, a, b):
+        return mod.expert_mlp(x, routing, p, a, b, num_experts=case.E, num_out_tokens=case.N * case.k,
+                              save_memory=save_memory)
+
+    counter = CompileCounterWithBackend("inductor" if HAS_CUDA else "aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    eager_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
+    compiled_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
+    want, got = layer(*eager_in), compiled(*compiled_in)
+    assert counter.frame_count == 1
+    assert torch.equal(got, want)
+    grad = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
+    for a, b in zip(torch.autograd.grad(got, compiled_in, grad), torch.autograd.grad(want, eager_in, grad)):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+
+
+def test_gather_ops_pass_opcheck(request):
+    """The gather GEMM's custom ops: schema, fake implementations and registered autograd."""
+    from permgen import triton_gemm
+    from permgen.expert_mlp import _route_tables, _segment_ends
+
+    name = "probs_bf16_index"
+    case = Case("opcheck", N=5, H=16, E=3, k=2)
+    g = generator_for(request)
+    _, (tokens, routing, probs, w1, _) = make_case(name, case, 8, g)
+    res = load("triton", name).permute(tokens, routing, probs, num_experts=case.E)
+    row_token, token_rows = _route_tables(res.row_id_map)
+    ends = _segment_ends(res.row_id_map, case.E)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    ops = triton_gemm.GATHER_OPS.custom_ops
+    torch.library.opcheck(ops["gather_gemm"], (tokens.clone().requires_grad_(), row_token, token_rows,
+                                               w1.clone().requires_grad_(), ends), test_utils=utils)
+    torch.library.opcheck(ops["gather_rows"], (tokens, row_token), test_utils=utils)
+    torch.library.opcheck(ops["sum_token_rows"], (res.tokens, token_rows), test_utils=utils)
