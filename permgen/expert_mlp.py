@@ -9,10 +9,10 @@ Two ways, the same function (tests/test_expert_mlp.py), chosen by the caller:
   on the H200 at every measured shape (benchmarks/results/bench_layer.txt).
 - save_memory=True: no permuted copy of the tokens. permute's routing alone (its row map, no rows
   moved); the first grouped GEMM gathers its A rows from the tokens through the row map
-  (permgen.triton_gemm.gather_gemm); the rest as above. The backward pass gathers the rows again
-  for w1's gradient instead of keeping them: [M, H] less activation memory between forward and
-  backward (1.9 GB per layer at DeepSeek-V3's shape, N=16384), for more time (the gather GEMM runs
-  1.0-1.2x torch._grouped_mm's time).
+  (permgen.triton_gemm); the rest as above. The backward pass gathers the rows again for w1's
+  gradient instead of keeping them: [M, H] less activation memory between forward and backward
+  (1.75 GiB per layer at DeepSeek-V3's shape, N=16384), for 0.6-5% more time at N=16384 (the
+  gather GEMM runs 1.08-1.16x torch._grouped_mm's time).
 
 Either way the variant's unpermute kernels merge each expert row into its token in a fixed order,
 so the result is deterministic. The merge is not folded into the second GEMM's epilogue: a token's

@@ -167,8 +167,8 @@ def test_expert_mlp_real_shape_matches_unfused_layer(save_memory):
 
 @pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
 def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
-    """Under torch.compile(fullgraph=True) (num_out_tokens given: static shapes), forward and
-    gradients bit-identical to the eager call."""
+    """Under torch.compile(fullgraph=True) (num_out_tokens given: static shapes): one graph, and
+    forward and gradients as the eager call gives them."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -188,10 +188,13 @@ def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
     compiled_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
     want, got = layer(*eager_in), compiled(*compiled_in)
     assert counter.frame_count == 1
-    assert torch.equal(got, want)
+    # aot_eager runs the same kernels: the same bits. Inductor fuses SwiGLU's silu and product,
+    # rounding once where eager rounds twice: the same values within the sums' tolerance.
+    same = torch.equal if not HAS_CUDA else (lambda a, b: close(a, b, "compiled") is None)
+    assert same(got, want)
     grad = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
     for a, b in zip(torch.autograd.grad(got, compiled_in, grad), torch.autograd.grad(want, eager_in, grad)):
-        assert torch.equal(a, b)
+        assert same(a, b)
     torch._dynamo.reset()
 
 
