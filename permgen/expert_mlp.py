@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .contract import check_tensor
 from .triton_gemm import GATHER_OPS
 
 
@@ -59,6 +60,7 @@ def _segment_ends(row_id_map, experts):
 def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None, topk=None,
                    save_memory=False):
     name, v = ops.name, ops.variant
+    check_tensor(v, "tokens", tokens, (None, None), (v.token_dtype,), None)
     if probs is not None and not v.probs:
         raise ValueError(f"{name}: this variant has no probs; use a variant with probs = true")
     for label, w in (("w1", w1), ("w2", w2)):
@@ -67,10 +69,10 @@ def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num
                              f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
         if w.dtype != tokens.dtype or w.device != tokens.device:
             raise ValueError(f"{name}: {label} must be {tokens.dtype} on {tokens.device} like the tokens, "
-                             f"got {w.dtype} on {w.device}")
+                             f"got {w.dtype} on {w.device}")  # (any strides: torch._grouped_mm takes either layout)
     experts, hidden, width2 = w1.shape
-    if hidden != tokens.shape[-1] or width2 % 2:
-        raise ValueError(f"{name}: w1 must be [E, H, 2F] for SwiGLU with H = {tokens.shape[-1]} (the tokens' "
+    if hidden != tokens.shape[1] or width2 % 2:
+        raise ValueError(f"{name}: w1 must be [E, H, 2F] for SwiGLU with H = {tokens.shape[1]} (the tokens' "
                          f"columns), got {tuple(w1.shape)}")
     if tuple(w2.shape) != (experts, width2 // 2, hidden):
         raise ValueError(f"{name}: w2 must be [E, F, H] = {(experts, width2 // 2, hidden)} for w1 "

@@ -112,6 +112,10 @@ def test_expert_mlp_bad_input(request):
     case = Case("bad", N=6, H=16, E=4, k=2)
     _, (tokens, routing, probs, w1, w2) = make_case(name, case, 8, g)
     mod = load("triton", name)
+    with pytest.raises((TypeError, ValueError), match="tokens"):
+        mod.expert_mlp(tokens.float(), routing, probs, w1.float(), w2.float(), num_experts=4)
+    with pytest.raises((TypeError, ValueError), match="tokens"):
+        mod.expert_mlp(tokens[0], routing, probs, w1, w2, num_experts=4)
     with pytest.raises(ValueError, match=r"w1 must be \[E, H, 2F\]"):
         mod.expert_mlp(tokens, routing, probs, w1[:, :8], w2, num_experts=4)
     with pytest.raises(ValueError, match=r"w2 must be \[E, F, H\]"):
