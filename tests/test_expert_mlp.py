@@ -220,3 +220,18 @@ def test_gather_ops_pass_opcheck(request):
                                                w1.clone().requires_grad_(), ends), test_utils=utils)
     torch.library.opcheck(ops["gather_rows"], (tokens, row_token), test_utils=utils)
     torch.library.opcheck(ops["sum_token_rows"], (res.tokens, token_rows), test_utils=utils)
+
+
+@pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
+def test_weights_in_either_layout(save_memory, request):
+    """Weights stored [E, out, in] and passed transposed (column-major views) give the same values."""
+    name = "probs_bf16_index"
+    case = Case("layout", N=13, H=32, E=3, k=2)
+    g = generator_for(request)
+    _, (tokens, routing, probs, w1, w2) = make_case(name, case, 16, g)
+    mod = load("triton", name)
+    row_major = mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=case.E, save_memory=save_memory)
+    w1_t, w2_t = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w1, w2))
+    assert not w1_t.is_contiguous()
+    column_major = mod.expert_mlp(tokens, routing, probs, w1_t, w2_t, num_experts=case.E, save_memory=save_memory)
+    close(column_major, row_major, "column-major weights")
