@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -195,9 +196,14 @@ def main():
         render(args.out)
         return
     mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True)
-    if args.sweep:
+    if args.sweep:  # writes bench_layer_sweep.txt, the source of permgen/triton_gemm.py's tile choice
+        lines = [f"permgen gather GEMM tile sweep, {torch.cuda.get_device_name()} (torch {torch.__version__}, Triton "
+                 f"{triton.__version__}): us per call of the first GEMM at each layer shape", ""]
         for shape in SHAPES:
-            print(shape[0], json.dumps(sweep(*shape, mod), indent=1), flush=True)
+            lines.append(f"{shape[0]} {json.dumps(sweep(*shape, mod), indent=1)}")
+            print(lines[-1], flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_layer_sweep.txt").write_text("\n".join(lines) + "\n")
         return
     results = []
     for shape in SHAPES + SMALL_SHAPES:

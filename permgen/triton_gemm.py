@@ -122,7 +122,7 @@ def sum_token_rows_kernel(rows_ptr, token_rows_ptr, out_ptr, hidden, width, BLOC
 
 
 # Tile shapes for the H200 (bf16, wgmma; the best of a sweep at three layer shapes:
-# benchmarks/bench_layer.py --sweep); the CPU interpreter uses the smallest tl.dot allows.
+# benchmarks/results/bench_layer_sweep.txt); the CPU interpreter uses the smallest tl.dot allows.
 _GPU_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, UPCAST=False)
 _CPU_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, UPCAST=True)
 _ROW_BLOCK = 1024  # columns a row program moves per step
