@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import permgen  # noqa: E402
 from permgen import triton_gemm  # noqa: E402
-from permgen.expert_mlp import _route_tables, _segment_ends  # noqa: E402
+from permgen.expert_mlp import _row_tokens, _segment_ends  # noqa: E402
 
 SHAPES = [("qwen3_moe", 16384, 2048, 128, 8, 768), ("deepseek_v3", 16384, 7168, 256, 8, 2048),
           ("mixtral", 16384, 4096, 8, 2, 14336)]  # name, N, H, E, k, F
@@ -120,7 +120,7 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
         return run
 
     m = pre.row_id_map
-    row_token = _route_tables(m)[0]
+    row_token = _row_tokens(m)
     bounds = _segment_ends(m, E)
     times = {
         "layer_fused": timed(step(fused, leaves, grad_y), iters, reps),
@@ -162,7 +162,7 @@ def sweep(name, N, H, E, k, Fw, mod):
     w1 = torch.randn(E, H, 2 * Fw, device="cuda", generator=g).to(torch.bfloat16)
     pre = mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k)
     m = pre.row_id_map
-    row_token = _route_tables(m)[0]
+    row_token = _row_tokens(m)
     bounds = _segment_ends(m, E)
     ends = bounds[1:]
     out = {}

@@ -235,11 +235,7 @@ def _send_row_map(row_id_map, slot_of_row, offsets, counts, num_rows):
     """permute's row map with each route's row moved to its send row (slot_of_row[row], -1 for
     none: the route is dropped) and the send buffer's segments: the same layout (permgen.results),
     so the variant's unpermute and backward kernels read the send buffer directly."""
-    dst = row_id_map.dst_rows.long()
-    live = dst >= 0
-    if row_id_map.is_mask:  # a mask row map's slots past a token's route count hold no route
-        slot = torch.arange(row_id_map.width, device=dst.device)
-        live &= slot[None, :] < row_id_map.route_counts.long()[:, None]
+    dst, live = row_id_map.dst_rows.long(), row_id_map.live_routes
     lookup = torch.cat([slot_of_row, slot_of_row.new_full((1,), -1)])  # index -1: no route (also for 0 rows)
     moved = lookup[torch.where(live, dst, -1).reshape(-1)].to(torch.int32)
     words = dst.numel()

@@ -26,24 +26,18 @@ import torch
 import torch.nn.functional as F
 
 from .contract import check_tensor
-from .triton_gemm import GATHER_OPS
+from .triton_gemm import GatherOps
 
 
-def _route_tables(row_id_map):
-    """(row_token int32 [M]: each row's token, -1 for pad rows; token_rows int32 [N, W]: each
-    token's rows in slot order, -1 for none), from the row map's routes, on the device."""
-    dst = row_id_map.dst_rows
-    live = dst >= 0
-    if row_id_map.is_mask:  # a mask row map's slots past a token's route count hold no route
-        slot = torch.arange(row_id_map.width, device=dst.device)
-        live &= slot[None, :] < row_id_map.route_counts[:, None]
-    token_rows = torch.where(live, dst, -1)
+def _row_tokens(row_id_map):
+    """int32 [M]: the token of each row (-1 for pad rows), from the row map's routes, on the device."""
     num_rows = row_id_map.num_rows
-    where = torch.where(live, dst, num_rows).reshape(-1).long()  # row num_rows: a sink for the dead slots
-    tokens = torch.arange(row_id_map.num_tokens, dtype=torch.int32, device=dst.device)
-    row_token = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=dst.device)
+    # row num_rows: a sink for the slots without a route
+    where = torch.where(row_id_map.live_routes, row_id_map.dst_rows, num_rows).reshape(-1).long()
+    tokens = torch.arange(row_id_map.num_tokens, dtype=torch.int32, device=where.device)
+    row_token = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=where.device)
     row_token.scatter_(0, where, tokens.repeat_interleave(row_id_map.width))
-    return row_token[:num_rows], token_rows
+    return row_token[:num_rows]
 
 
 def _swiglu(h):
@@ -57,8 +51,8 @@ def _segment_ends(row_id_map, experts):
     return row_id_map.segment_offsets[:experts + 1].clamp(max=row_id_map.num_rows)
 
 
-def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None, topk=None,
-                   save_memory=False):
+def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None,
+                   topk=None, save_memory=False):
     name, v = ops.name, ops.variant
     check_tensor(v, "tokens", tokens, (None, None), (v.token_dtype,), None)
     if probs is not None and not v.probs:
@@ -91,13 +85,15 @@ def run_expert_mlp(ops, tokens, routing, probs, w1, w2, *, num_experts=None, num
         res = ops.permute(tokens.new_empty((tokens.shape[0], 0)), routing, route_probs, num_experts=experts,
                           num_out_tokens=num_out_tokens, topk=topk)
     ends = _segment_ends(res.row_id_map, experts)
-    h = GATHER_OPS.gather_gemm(tokens.contiguous(), *_route_tables(res.row_id_map), w1, ends)
+    h = gather_ops.gather_gemm(tokens.contiguous(), _row_tokens(res.row_id_map), w1, ends, res.row_id_map)
     out = torch._grouped_mm(_swiglu(h), w2, offs=ends[1:])
     return ops.unpermute(out, res.row_id_map, probs)
 
 
 def bind_expert_mlp(ops):
-    """The variant's expert MLP (its generated module's `expert_mlp`)."""
+    """The variant's expert MLP (its generated module's `expert_mlp`); its gather GEMM's ops are
+    `expert_mlp.gather_ops`."""
+    gather_ops = GatherOps(ops)
 
     def expert_mlp_(tokens, routing, probs=None, w1=None, w2=None, *, num_experts=None, num_out_tokens=None,
                     topk=None, save_memory=False):
@@ -108,8 +104,9 @@ def bind_expert_mlp(ops):
         projection's); w2 [E, F, H]. num_out_tokens and topk: permute's. save_memory=True: the
         first GEMM reads the tokens through the row map, keeping no permuted copy for the backward
         pass (slower; see permgen.expert_mlp). Differentiable in tokens, probs, w1 and w2."""
-        return run_expert_mlp(ops, tokens, routing, probs, w1, w2, num_experts=num_experts,
+        return run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, num_experts=num_experts,
                               num_out_tokens=num_out_tokens, topk=topk, save_memory=save_memory)
 
     expert_mlp_.__name__ = "expert_mlp"
+    expert_mlp_.gather_ops = gather_ops
     return expert_mlp_

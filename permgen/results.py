@@ -159,6 +159,16 @@ class RowIdMap(NamedTuple):
         return self._part(layout.route_counts, self.num_tokens) if layout.mask else None
 
     @property
+    def live_routes(self) -> torch.Tensor:
+        """bool [N, W]: the slots that hold a route (a row >= 0; mask routing: also within the token's
+        route count, past which a slot's row is not written)."""
+        dst = self.dst_rows
+        live = dst >= 0
+        if self.layout.mask:
+            live &= torch.arange(self.width, device=dst.device)[None, :] < self.route_counts[:, None]
+        return live
+
+    @property
     def segment_offsets(self) -> torch.Tensor:
         """int32 [E + 1]: first row of each expert's segment; [E] = rows in use."""
         return self._part(self.layout.segment_offsets, self.num_experts + 1)

@@ -1,16 +1,12 @@
 """The grouped GEMM that reads its rows through permute's row map, so that the expert MLP
-(permgen.expert_mlp, save_memory=True) needs no permuted copy of the tokens, and the two row moves
-its backward pass needs. GatherOps registers them as torch.library custom
-ops on first use, so the layer traces under torch.compile.
+(permgen.expert_mlp, save_memory=True) needs no permuted copy of the tokens. GatherOps registers
+it as a torch.library custom op on first use, so the layer traces under torch.compile.
 
 Rows are expert-major, as permute lays them out: expert e owns rows [ends[e], ends[e + 1]) (pad
-rows included). row_token [M] is the token of each row (-1: a pad row, read as zeros);
-token_rows [N, W] the rows of each token's routes (-1: no route), in slot order.
+rows included). row_token [M] is the token of each row (-1: a pad row, read as zeros).
 
-    gather_gemm:    out[r] = tokens[row_token[r]] @ w[e]          r in expert e's rows
-                    backward: tokens' gradient sum_token_rows(grad @ w[e]^T), w's gathered rows^T @ grad
-    gather_rows:    out[r] = tokens[row_token[r]] (zeros for -1)
-    sum_token_rows: out[t] = sum over t's rows r of rows[r], in fp32, in slot order (deterministic)
+    gather_gemm: out[r] = tokens[row_token[r]] @ w[e]    r in expert e's rows
+    backward:    tokens' gradient: permute's backward of grad @ w[e]^T; w's: gathered rows^T @ grad
 
 The GEMM accumulates in fp32 and stores in the tokens' dtype, as torch._grouped_mm does.
 """
@@ -90,42 +86,10 @@ def gather_gemm_kernel(
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=in_seg[:, None] & (cols[None, :] < N))
 
 
-@triton.jit
-def gather_token_rows_kernel(tokens_ptr, row_token_ptr, out_ptr, hidden, BLOCK_H: tl.constexpr):
-    """out[r] = tokens[row_token[r]], zeros for -1; one program per row."""
-    row = tl.program_id(0)
-    token = tl.load(row_token_ptr + row)
-    src = tokens_ptr + tl.maximum(token, 0).to(tl.int64) * hidden
-    dst = out_ptr + row.to(tl.int64) * hidden
-    readable = tl.where(token >= 0, hidden, 0)  # a pad row reads nothing
-    cols = tl.arange(0, BLOCK_H)
-    for h0 in range(0, hidden, BLOCK_H):
-        tl.store(dst + h0 + cols, tl.load(src + h0 + cols, mask=h0 + cols < readable, other=0.0),
-                 mask=h0 + cols < hidden)
-
-
-@triton.jit
-def sum_token_rows_kernel(rows_ptr, token_rows_ptr, out_ptr, hidden, width, BLOCK_H: tl.constexpr):
-    """out[t] = the sum of t's rows in fp32, slot by slot; one program per token."""
-    token = tl.program_id(0)
-    dst = out_ptr + token.to(tl.int64) * hidden
-    cols = tl.arange(0, BLOCK_H)
-    for h0 in range(0, hidden, BLOCK_H):
-        inside = h0 + cols < hidden
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for slot in range(0, width):
-            row = tl.load(token_rows_ptr + token * width + slot)
-            src = rows_ptr + tl.maximum(row, 0).to(tl.int64) * hidden
-            readable = tl.where(row >= 0, hidden, 0)  # a slot without a route reads nothing
-            acc += tl.load(src + h0 + cols, mask=h0 + cols < readable, other=0.0).to(tl.float32)
-        tl.store(dst + h0 + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
-
-
 # Tile shapes for the H200 (bf16, wgmma; the best of a sweep at three layer shapes:
 # benchmarks/results/bench_layer_sweep.txt); the CPU interpreter uses the smallest tl.dot allows.
 _GPU_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, UPCAST=False)
 _CPU_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, UPCAST=True)
-_ROW_BLOCK = 1024  # columns a row program moves per step
 
 
 def launch_gather_gemm(tokens, row_token, w, ends, tiles=None):
@@ -145,77 +109,62 @@ def launch_gather_gemm(tokens, row_token, w, ends, tiles=None):
     return out
 
 
-def launch_gather_rows(tokens, row_token):
-    out = torch.empty((row_token.shape[0], tokens.shape[1]), dtype=tokens.dtype, device=tokens.device)
-    if out.numel():
-        gather_token_rows_kernel[(row_token.shape[0],)](tokens, row_token, out, tokens.shape[1], BLOCK_H=_ROW_BLOCK)
-    return out
-
-
-def launch_sum_token_rows(rows, token_rows):
-    out = torch.empty((token_rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
-    if out.numel():
-        sum_token_rows_kernel[(token_rows.shape[0],)](rows, token_rows, out, rows.shape[1], token_rows.shape[1],
-                                                      BLOCK_H=_ROW_BLOCK)
-    return out
-
-
 class GatherOps(_Registered):
-    """The three as custom ops `permgen::triton_gather_gemm`, `triton_gather_rows` and
-    `triton_sum_token_rows` (defined on first use, as every permgen op), gather_gemm differentiable."""
+    """One variant's gather GEMM as a custom op, `permgen::<target>_<variant>_gather_gemm` (defined on
+    first use, as every permgen op), differentiable, and the row gather its backward pass runs,
+    `..._gather_rows`. The tokens' gradient is the variant's own permute backward (its op) of the
+    rows' gradient: each token's rows summed in a fixed order."""
 
-    def __init__(self):
-        super().__init__("triton")
+    def __init__(self, ops):
+        super().__init__(ops.prefix)
+        self.ops = ops
 
     def _register(self):
+        sizes = "SymInt num_tokens, SymInt width, SymInt num_experts"
         self._define({
             "gather_gemm": (self._gather_gemm, self._gather_gemm_fake,
-                            "(Tensor tokens, Tensor row_token, Tensor token_rows, Tensor w, Tensor ends) -> Tensor"),
-            "gather_rows": (launch_gather_rows, self._gather_rows_fake, "(Tensor tokens, Tensor row_token) -> Tensor"),
-            "sum_token_rows": (launch_sum_token_rows, self._sum_token_rows_fake,
-                               "(Tensor rows, Tensor token_rows) -> Tensor"),
+                            f"(Tensor tokens, Tensor row_token, Tensor w, Tensor ends, Tensor row_map, {sizes}) "
+                            "-> Tensor"),
+            "gather_rows": (self._gather_rows, self._gather_rows_fake, "(Tensor tokens, Tensor row_token) -> Tensor"),
         })
         self._autograd("gather_gemm", self._gather_gemm_backward, self._gather_gemm_setup)
 
     @staticmethod
-    def _gather_gemm(tokens, row_token, token_rows, w, ends):
+    def _gather_gemm(tokens, row_token, w, ends, row_map, num_tokens, width, num_experts):
         return launch_gather_gemm(tokens, row_token, w, ends)
 
     @staticmethod
-    def _gather_gemm_fake(tokens, row_token, token_rows, w, ends):
+    def _gather_gemm_fake(tokens, row_token, w, ends, row_map, num_tokens, width, num_experts):
         return tokens.new_empty((row_token.shape[0], w.shape[2]))
+
+    def _gather_rows(self, tokens, row_token):
+        return self.ops.chunk_sort.kernels.gather_rows(row_token, tokens)
 
     @staticmethod
     def _gather_rows_fake(tokens, row_token):
         return tokens.new_empty((row_token.shape[0], tokens.shape[1]))
 
-    @staticmethod
-    def _sum_token_rows_fake(rows, token_rows):
-        return rows.new_empty((token_rows.shape[0], rows.shape[1]))
-
     def _gather_gemm_setup(self, ctx, inputs, output):
         ctx.calls = self.op
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:5])
+        ctx.sizes = inputs[5:]
 
-    @staticmethod
-    def _gather_gemm_backward(ctx, grad):
-        tokens, row_token, token_rows, w, ends = ctx.saved_tensors
+    def _gather_gemm_backward(self, ctx, grad):
+        tokens, row_token, w, ends, row_map = ctx.saved_tensors
         needs = ctx.needs_input_grad
         offs = ends[1:]  # torch._grouped_mm's groups: [offs[e - 1], offs[e]), the first from row 0
         grad_tokens = grad_w = None
         if needs[0]:
-            grad_tokens = ctx.calls["sum_token_rows"](torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs),
-                                                      token_rows)
-        if needs[3]:
+            grad_rows = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
+            grad_tokens = self.ops.op["permute_backward"](row_map, grad_rows, *ctx.sizes, row_token.shape[0])
+        if needs[2]:
             grad_w = torch._grouped_mm(ctx.calls["gather_rows"](tokens, row_token).t(), grad, offs=offs)
-        return grad_tokens, None, None, grad_w, None
+        return grad_tokens, None, grad_w, None, None, None, None, None
 
-    def gather_gemm(self, tokens, row_token, token_rows, w, ends):
+    def gather_gemm(self, tokens, row_token, w, ends, row_id_map):
         """The op where autograd or torch.compile needs it, else the kernel alone."""
         calls = self._calls(tokens, w)
         if calls is None:
             return launch_gather_gemm(tokens, row_token, w, ends)
-        return calls["gather_gemm"](tokens, row_token, token_rows, w, ends)
-
-
-GATHER_OPS = GatherOps()
+        m = row_id_map
+        return calls["gather_gemm"](tokens, row_token, w, ends, m.row_map, m.num_tokens, m.width, m.num_experts)

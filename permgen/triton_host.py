@@ -484,8 +484,9 @@ class TritonChunkKernels:
         return out.view(tokens.dtype), out_probs
 
     def gather_rows(self, rows, src):
-        """out[r] = src[rows[r]] for a 2-D src, one program per entry of rows (expert parallelism's
-        regrouping: rows may repeat or skip source rows)."""
+        """out[r] = src[rows[r]] for a 2-D src (zeros where rows[r] < 0), one program per entry of
+        rows (expert parallelism's packing; the expert MLP's gathered rows: rows may repeat or skip
+        source rows)."""
         out = torch.empty((rows.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
         if rows.shape[0]:
             launch = self._gather_launch(rows.shape[0], src.shape[1], (src.dtype, rows.dtype))

@@ -466,19 +466,21 @@ def sort_chunks_probs_kernel(
 @triton.jit
 def gather_rows_kernel(
     src_ptr,  # [S, H]
-    rows_ptr,  # int32 [M]: the row of src each output row copies
+    rows_ptr,  # int32 [M]: the row of src each output row copies (-1: a zero row)
     out_ptr,  # [M, H]
     hidden,
     BLOCK_H: tl.constexpr,
 ):
-    """out[r] = src[rows[r]], one program per row."""
+    """out[r] = src[rows[r]], zeros where rows[r] < 0; one program per row."""
     row = tl.program_id(0)
-    src = src_ptr + tl.load(rows_ptr + row).to(tl.int64) * hidden
+    source = tl.load(rows_ptr + row)
+    src = src_ptr + tl.maximum(source, 0).to(tl.int64) * hidden
+    readable = tl.where(source >= 0, hidden, 0)  # a zero row reads nothing
     dst = out_ptr + row.to(tl.int64) * hidden
     cols = tl.arange(0, BLOCK_H)
     for h0 in range(0, hidden, BLOCK_H):
-        inside = h0 + cols < hidden
-        tl.store(dst + h0 + cols, tl.load(src + h0 + cols, mask=inside), mask=inside)
+        tl.store(dst + h0 + cols, tl.load(src + h0 + cols, mask=h0 + cols < readable, other=0),
+                 mask=h0 + cols < hidden)
 
 
 # ----------------------------------------------------------------------------------------------

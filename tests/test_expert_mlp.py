@@ -204,22 +204,21 @@ def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
 
 def test_gather_ops_pass_opcheck(request):
     """The gather GEMM's custom ops: schema, fake implementations and registered autograd."""
-    from permgen import triton_gemm
-    from permgen.expert_mlp import _route_tables, _segment_ends
+    from permgen.expert_mlp import _row_tokens, _segment_ends
 
     name = "probs_bf16_index"
     case = Case("opcheck", N=5, H=16, E=3, k=2)
     g = generator_for(request)
     _, (tokens, routing, probs, w1, _) = make_case(name, case, 8, g)
-    res = load("triton", name).permute(tokens, routing, probs, num_experts=case.E)
-    row_token, token_rows = _route_tables(res.row_id_map)
-    ends = _segment_ends(res.row_id_map, case.E)
+    mod = load("triton", name)
+    m = mod.permute(tokens, routing, probs, num_experts=case.E).row_id_map
+    row_token = _row_tokens(m)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    ops = triton_gemm.GATHER_OPS.custom_ops
-    torch.library.opcheck(ops["gather_gemm"], (tokens.clone().requires_grad_(), row_token, token_rows,
-                                               w1.clone().requires_grad_(), ends), test_utils=utils)
+    ops = mod.expert_mlp.gather_ops.custom_ops
+    torch.library.opcheck(ops["gather_gemm"], (tokens.clone().requires_grad_(), row_token, w1.clone().requires_grad_(),
+                                               _segment_ends(m, case.E), m.row_map, m.num_tokens, m.width,
+                                               m.num_experts), test_utils=utils)
     torch.library.opcheck(ops["gather_rows"], (tokens, row_token), test_utils=utils)
-    torch.library.opcheck(ops["sum_token_rows"], (res.tokens, token_rows), test_utils=utils)
 
 
 @pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
