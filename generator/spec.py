@@ -53,8 +53,6 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
             _fail(path, where, "targets", f"expected one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     if len(set(targets)) != len(targets):
         _fail(path, where, "targets", f"lists a target twice: {targets!r}")
-    if entry["expert_mlp"] and "triton" not in targets:
-        _fail(path, where, "expert_mlp", "the expert MLP is a Triton module's; add \"triton\" to targets")
     variant = Variant(dtype=entry["dtype"], routing=entry["routing"], probs=entry["probs"], scale=entry["scale"],
                       quantize=entry["quantize"], pad=entry["pad"], targets=tuple(t for t in TARGETS if t in targets),
                       expert_mlp=entry["expert_mlp"])

@@ -22,7 +22,8 @@ _BY_NAME: dict = {}
 
 def axis_error(axes: dict) -> Optional[tuple]:
     """(key, what is wrong) for the first axis value no variant can have, or None. `axes` holds
-    every axis but targets and name (the spec validation checks those two itself)."""
+    every axis but name; targets and the options may be absent (the spec validation checks the
+    targets list itself)."""
     for key, choices in (("dtype", DTYPES), ("routing", ROUTINGS), ("scale", SCALES), ("quantize", QUANTIZES)):
         value = axes[key]
         if not isinstance(value, str) or value not in choices:
@@ -51,6 +52,9 @@ def axis_error(axes: dict) -> Optional[tuple]:
         return "expert_mlp", (f"the expert MLP takes {', '.join(EXPERT_MLP_DTYPES)} tokens and rows (the dtype of "
                               f"torch._grouped_mm, which runs its other GEMMs), got dtype {axes['dtype']!r}"
                               + (f" quantised to {axes['quantize']!r}" if axes["quantize"] != "none" else ""))
+    targets = axes.get("targets", TARGETS)  # (the spec checks the list itself)
+    if expert_mlp and isinstance(targets, (list, tuple)) and "triton" not in targets:
+        return "expert_mlp", "the expert MLP is a Triton module's; add \"triton\" to targets"
     return None
 
 
@@ -71,8 +75,6 @@ class Variant:
         problem = axis_error(self.__dict__)
         if problem:
             raise ValueError(f"{problem[0]}: {problem[1]}")
-        if self.expert_mlp and "triton" not in self.targets:
-            raise ValueError("expert_mlp: the expert MLP is a Triton module's; add \"triton\" to targets")
         scale_kind = self.scale if self.quantize == "none" else self.quantize
         derived = dict(
             name=variant_name(self.__dict__),
