@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
                        scale_columns, scale_dtype)
+from .ops import _prefix, _Registered
 from .results import RowIdMap, RowMapLayout, route_words, row_map_words
 
 
@@ -643,19 +644,23 @@ def _empty(like, *shape, dtype=None):
     return like.new_empty(shape, dtype=like.dtype if dtype is None else dtype)
 
 
-class _EpOps:
+class _EpOps(_Registered):
     """Capacity-mode dispatch and combine of one variant as torch.library custom ops, so that
     torch.compile(fullgraph=True) sees each as one opaque op with static shapes (its sizes depend on
     the group's size, num_experts and recv_capacity only), with their backward passes as ops too.
     They run the eager code; absent outputs are empty tensors. Registered in the `permgen`
     namespace as `<target>_<variant>_ep_dispatch`, `_ep_dispatch_backward`, `_ep_combine`,
-    `_ep_combine_backward`. The group travels as its name (torch.distributed resolves it)."""
+    `_ep_combine_backward`, on the first compiled call that needs them, never at import (the
+    single-GPU ops' mechanism, permgen.ops._Registered; eager dispatch and combine use no op). The
+    group travels as its name (torch.distributed resolves it)."""
 
     def __init__(self, ops):
+        super().__init__(_prefix(ops.prefix, "ep"))
         self.ops = ops
-        self.op = {}
+
+    def _register(self):
         sizes = "str group_name, SymInt num_tokens, SymInt width, SymInt num_experts, SymInt capacity"
-        defs = {
+        self._define({
             "dispatch": (self._dispatch, self._dispatch_fake,
                          "(Tensor tokens, Tensor routing, Tensor? probs, Tensor? scale, str group_name, "
                          "SymInt num_experts, SymInt width, SymInt capacity, SymInt? topk) -> (Tensor out, "
@@ -671,16 +676,10 @@ class _EpOps:
             "combine_backward": (self._combine_backward, self._combine_backward_fake,
                                  f"(Tensor send_row_map, Tensor table, Tensor grad, Tensor returned, "
                                  f"Tensor? merging_probs, {sizes}) -> (Tensor grad_expert_out, Tensor grad_probs)"),
-        }
-        ns = getattr(torch.ops, "permgen")
-        for op, (impl, fake, schema) in defs.items():
-            custom = torch.library.custom_op(f"permgen::{ops.prefix}_ep_{op}", impl, mutates_args=(), schema=schema)
-            custom.register_fake(fake)
-            if op == "dispatch":
-                custom.register_autograd(self._dispatch_grad, setup_context=self._dispatch_setup)
-            elif op == "combine":
-                custom.register_autograd(self._combine_grad, setup_context=self._combine_setup)
-            self.op[op] = getattr(ns, f"{ops.prefix}_ep_{op}").default
+        })
+        # Only the ops' autograd: eager calls take _Dispatch / _Combine, not the ops.
+        self._custom_ops["dispatch"].register_autograd(self._dispatch_grad, setup_context=self._dispatch_setup)
+        self._custom_ops["combine"].register_autograd(self._combine_grad, setup_context=self._combine_setup)
 
     # -- the handle from the ops' arguments --------------------------------------------------------
 

@@ -10,7 +10,9 @@ bit, sums with tolerances; outputs start poisoned. With as many GPUs as ranks th
 over NCCL with compiled kernels, plus capacity mode under torch.cuda.set_sync_debug_mode("error")
 and a CUDA-graph replay (check_no_host_sync); world sizes beyond the GPU count are skipped there.
 
-Also: the Triton dispatch against the NKI dispatch (`permute_a2av`, emulator) on identical inputs.
+Also: the Triton dispatch against the NKI dispatch (`permute_a2av`, emulator) on identical inputs;
+on a GPU, a process that captured dispatch and combine in a CUDA graph exits after the documented
+teardown (docs/expert_parallel.md, "Shutdown").
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -25,6 +30,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -752,3 +758,94 @@ def test_triton_dispatch_matches_nki_permute_a2av(world):
         regrouped = torch.cat([pieces[s * local + e] for e in range(local) for s in range(world)] or [recv[:0]])
         assert_bits_equal(triton_out[d], regrouped, f"rank {d}: Triton dispatch vs permute_a2av")
         assert not recv[int(chunks.sum()):].view(torch.int16).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit after a CUDA-graph capture (GPU)
+# ---------------------------------------------------------------------------------------------
+
+# One rank over NCCL (env://): capacity-mode dispatch and combine captured in a CUDA graph, replayed
+# on new inputs and checked against eager, then the documented teardown (the graph reset or deleted,
+# its outputs kept) and destroy_process_group. Prints each stage's time since start.
+GRAPH_TEARDOWN = """
+import gc, sys, time
+start = time.perf_counter()
+def stage(what):
+    print(what, f"{time.perf_counter() - start:.2f}", flush=True)
+import torch
+import torch.distributed as dist
+import permgen
+mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True)
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+dist.init_process_group("nccl", device_id=device)
+stage("init")
+group = dist.group.WORLD
+N, H, E, k, C = 64, 256, 8, 2, 100
+
+def inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(torch.int32)
+    return [t.to(device) for t in (tokens, ids, torch.rand(N, k, generator=g))]
+
+def step(tokens, ids, probs):
+    res = mod.dispatch(tokens, ids, probs, group=group, num_experts=E, recv_capacity=C)
+    return res.tokens, mod.combine(res.tokens * 2, res.handle, probs)
+
+static = inputs(0)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    step(*static)
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    captured = step(*static)
+stage("captured")
+fresh = inputs(1)
+for dst, src in zip(static, fresh):
+    dst.copy_(src)
+graph.replay()
+eager = step(*fresh)
+torch.cuda.synchronize()
+for got, want in zip(captured, eager):
+    assert torch.equal(got, want), "graph replay differs from eager"
+stage("replayed")
+if sys.argv[1] == "reset":
+    graph.reset()
+else:
+    del graph
+gc.collect()
+torch.cuda.synchronize()
+stage("destroying")
+dist.destroy_process_group()
+stage("destroyed")
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
+@pytest.mark.parametrize("teardown", ["reset", "del"])
+def test_exit_after_graph_capture(teardown):
+    """destroy_process_group returns after dispatch and combine were captured in a CUDA graph and
+    replayed, once the graph is reset or deleted (NCCL waits for graphs holding its collectives:
+    a graph alive at destroy_process_group blocks it, with or without permgen; see
+    tests/gpu_graph_teardown_repro.py)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env.pop("TRITON_INTERPRET", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", GRAPH_TEARDOWN, teardown], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"the process did not exit within 120 s; stages reached (seconds since start):\n{out}")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.split()[-2] == "destroyed", proc.stdout
