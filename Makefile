@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # `make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: generate check list test test-gpu bench bench-ep clean gpu-ready
+.PHONY: generate check list test test-gpu bench bench-ep bench-megatron clean gpu-ready
 
 $(VENV)/.generator-deps:
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -46,7 +46,7 @@ GPU_WORKERS ?= $(shell nproc 2>/dev/null || echo 8)
 test-gpu: gpu-ready
 	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n $(GPU_WORKERS) --dist worksteal tests
 
-bench: gpu-ready
+bench: gpu-ready bench-megatron
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_layer.py --out benchmarks/results
@@ -57,6 +57,14 @@ bench-ep: gpu-ready
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) -m torch.distributed.run \
 		--nproc-per-node $$($(PYTHON_SYS) -c "import torch; print(torch.cuda.device_count())") \
 		benchmarks/bench_ep.py --out benchmarks/results
+
+# megatron-core's all-to-all token dispatcher in a training step, fused (permgen) against unfused, beside
+# permgen's dispatch / combine: one rank per GPU over NCCL; skipped where megatron-core does not import.
+# PYTHONPATH keeps what the caller had (where megatron-core was installed with --target).
+bench-megatron: gpu-ready
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON_SYS) -m torch.distributed.run \
+		--nproc-per-node $$($(PYTHON_SYS) -c "import torch; print(torch.cuda.device_count())") \
+		benchmarks/bench_megatron.py --out benchmarks/results
 
 # The GPU targets use the system Python's torch and a CUDA GPU: say so before anything runs.
 gpu-ready:
