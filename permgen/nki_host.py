@@ -130,6 +130,7 @@ class NkiBackend:
     """Converts and launches one variant's kernels (permgen.ops.Backend)."""
 
     target = "nki"
+    checks_routing_in_read = False  # permgen.ops checks the routing before permute
 
     def __init__(self, variant, kernels: NkiKernels):
         self.variant = Variant.of(variant).bind_torch()
@@ -170,8 +171,16 @@ class NkiBackend:
 
     # -- ops --------------------------------------------------------------------------------------
 
-    def permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs:
-        """One launch (two without num_out_tokens: the expert counts first, then one read back)."""
+    def permute(self, plan, tokens, routing, probs, scale, routed=None) -> PermuteOutputs:
+        """One launch (two without num_out_tokens: the expert counts first, then one read back).
+        routed(row_map), when given, is called once the row map is written (the kernel moves the rows
+        in the same launch, so before nothing)."""
+        out = self._permute(plan, tokens, routing, probs, scale)
+        if routed is not None:
+            routed(out.row_map)
+        return out
+
+    def _permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs:
         num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"{self.name}: the nki target supports at most {MAX_EXPERTS} experts, got {num_experts}")

@@ -44,6 +44,7 @@ from .results import PermuteResult, RowIdMap, row_map_words
 from .variant import Variant
 
 NAMESPACE = "permgen"
+_PLANS = 1024  # checked permute calls kept per variant (Ops._plan)
 _TAKEN = set()  # op name prefixes taken in this process
 
 
@@ -71,6 +72,9 @@ class PermuteOutputs(NamedTuple):
     tokens_per_expert: torch.Tensor  # int64 [E]
     row_map: torch.Tensor  # int32, laid out as permgen.results.RowMapLayout says
     num_rows: int  # M
+    # Whether the routing broke check_routing's rules, when the backend read that with the row count
+    # (Backend.checks_routing_in_read); None when it did not.
+    bad_routing: Optional[bool] = None
 
 
 class Grads(NamedTuple):
@@ -84,10 +88,16 @@ class Backend(Protocol):
     """Allocates and launches one variant's kernels on one target; `Ops` has checked the arguments."""
 
     target: str
+    # Whether permute, given a plan without a row cap that checks the routing, reads the routing's
+    # validity together with the row count (PermuteOutputs.bad_routing): then the check costs no
+    # host read of its own. Otherwise permgen.ops checks the routing before permute (one more read).
+    checks_routing_in_read: bool
 
     def check_device(self, tokens: torch.Tensor) -> None: ...
 
-    def permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs: ...
+    def permute(self, plan, tokens, routing, probs, scale, routed=None) -> PermuteOutputs:
+        """routed(row_map), when given, is called once the row map is written and before the rows
+        move (expert parallelism queues its count exchange there)."""
 
     def unpermute(self, row_id_map: RowIdMap, permuted, merging_probs) -> torch.Tensor: ...
 
@@ -226,14 +236,16 @@ def chunk_arguments(where: str, split_sizes, sorted_idxs, num_rows: int, device)
         raise ValueError(f"{where}: split_sizes {list(split_sizes.shape)} and sorted_idxs "
                          f"{list(sorted_idxs.shape)} must have one entry per chunk")
     compiling = torch.compiler.is_compiling()
+    # Checked as Python ints: no overflow whatever the sizes, and cheaper than torch ops on a few values.
     if split_sizes.device.type == "cpu" and not compiling:
-        if bool((split_sizes < 0).any()) or int(split_sizes.sum()) != num_rows:
-            raise ValueError(f"{where}: split_sizes must be non-negative and sum to the {num_rows} rows, got "
-                             f"{split_sizes.tolist()}")
+        sizes = split_sizes.tolist()
+        if min(sizes, default=0) < 0 or sum(sizes) != num_rows:
+            raise ValueError(f"{where}: split_sizes must be non-negative and sum to the {num_rows} rows, got {sizes}")
     if sorted_idxs.device.type == "cpu" and not compiling:
-        if not torch.equal(torch.sort(sorted_idxs.long()).values, torch.arange(sorted_idxs.shape[0])):
-            raise ValueError(f"{where}: sorted_idxs must order the {sorted_idxs.shape[0]} chunks (a permutation of "
-                             f"0..{sorted_idxs.shape[0] - 1}), got {sorted_idxs.tolist()}")
+        order = sorted_idxs.tolist()
+        if sorted(order) != list(range(len(order))):
+            raise ValueError(f"{where}: sorted_idxs must order the {len(order)} chunks (a permutation of "
+                             f"0..{len(order) - 1}), got {order}")
     return _to_device(split_sizes, device, compiling), _to_device(sorted_idxs, device, compiling)
 
 
@@ -387,6 +399,7 @@ class Ops(_Registered):
         self.chunk_sort = backend.chunk_sort()  # the target's, the same for every variant
         self.name = self.variant.name
         self.define = getattr(backend, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
+        self._plans = {}  # what _plan keeps
         super().__init__(_prefix(backend.target, self.name))
 
     def _register(self):
@@ -425,14 +438,22 @@ class Ops(_Registered):
 
     # -- permute -----------------------------------------------------------------------------------
 
-    def _run_permute(self, plan, tokens, routing, probs, scale) -> PermuteOutputs:
+    def _run_permute(self, plan, tokens, routing, probs, scale, routed=None) -> PermuteOutputs:
         if plan.num_experts is None:
             plan = plan._replace(num_experts=experts_from_ids(self.name, routing))
-        if plan.check_routing:
-            problem = routing_error(self.variant, routing, plan.num_experts, plan.width)
-            if problem:
-                raise ValueError(f"{self.name}: {problem}")
-        return self.backend.permute(plan, tokens, routing, probs, scale)
+        in_read = plan.check_routing and plan.num_out_tokens is None and self.backend.checks_routing_in_read
+        if plan.check_routing and not in_read:
+            self._check_routing(plan, routing)
+        out = self.backend.permute(plan, tokens, routing, probs, scale, routed)
+        if in_read and out.bad_routing:
+            self._check_routing(plan, routing)  # the words of the error: reads the routing again
+            raise AssertionError(f"{self.name}: the routing check and the row map's route tallies disagree")
+        return out
+
+    def _check_routing(self, plan, routing):
+        problem = routing_error(self.variant, routing, plan.num_experts, plan.width)
+        if problem:
+            raise ValueError(f"{self.name}: {problem}")
 
     def _op_outputs(self, outs) -> PermuteOutputs:
         """The permute op's outputs (a variant-length tuple: the schema has no optional outputs) by name."""
@@ -600,9 +621,7 @@ class Ops(_Registered):
         """permute; with from_ids, index routing without num_experts takes max id + 1 as the expert
         count (one host sync; under torch.compile a data-dependent size), as TransformerEngine's
         index maps do (permgen.te calls it)."""
-        plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
-                             check_routing, from_ids)
-        self.backend.check_device(tokens)
+        plan = self._plan(tokens, routing, probs, scale, num_experts, num_out_tokens, topk, check_routing, from_ids)
         calls = self._calls(tokens, probs)
         if calls is None:
             out = self._run_permute(plan, tokens, routing, probs, scale)
@@ -610,6 +629,35 @@ class Ops(_Registered):
             out = self._op_outputs(calls["permute"](tokens, routing, probs, scale, plan.num_experts, plan.width,
                                                     plan.num_out_tokens, plan.check_routing))
         return self.result(plan, routing, out)
+
+    def _plan(self, tokens, routing, probs, scale, num_experts, num_out_tokens, topk, check_routing, from_ids):
+        """check_permute's plan, kept by everything the checks read (shapes, dtypes, devices, contiguity,
+        the ints and their types): a call like one already checked costs a dict lookup, not the checks.
+        Under torch.compile the checks run as they are (they are traced once per graph)."""
+        if torch.compiler.is_compiling():
+            plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
+                                 check_routing, from_ids)
+            self.backend.check_device(tokens)
+            return plan
+        try:
+            key = (tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
+                   routing.shape, routing.dtype, routing.device, routing.is_contiguous(),
+                   None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()),
+                   None if scale is None else (scale.shape, scale.dtype, scale.device, scale.is_contiguous()),
+                   num_experts, num_out_tokens, topk, check_routing, from_ids,
+                   type(num_experts), type(num_out_tokens), type(topk), type(check_routing))
+            plan = self._plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say what is wrong
+            key = plan = None
+        if plan is None:
+            plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
+                                 check_routing, from_ids)
+            self.backend.check_device(tokens)
+            if key is not None:
+                if len(self._plans) >= _PLANS:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
 
     def result(self, plan, routing, out: PermuteOutputs) -> PermuteResult:
         """The PermuteResult of a backend's permute outputs (expert parallelism runs the backend itself)."""

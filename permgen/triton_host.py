@@ -9,6 +9,7 @@ the row gather, which no variant changes either, are `TritonChunkKernels` (one `
 """
 
 import functools
+from typing import NamedTuple, Optional
 
 import torch
 from triton import knobs
@@ -158,11 +159,22 @@ def _geometry(method):
     return cached
 
 
+class _PermuteProgram(NamedTuple):
+    route: Launch  # the routing kernel's
+    scratch_words: int
+    words: int  # of the row map
+    count_word: int  # the row map's word that holds the rows in use (segment offsets[E])
+    end: int  # of the row map's words in use
+    unslotted_step: int  # from count_word to the route tallies' routes without a slot
+    rows: Optional[tuple]  # with a row cap: _rows_launch's (Launch or None, blocks, zero programs, tail programs)
+
+
 class TritonBackend:
     """Allocates and launches one variant's kernels (permgen.ops.Backend): its permute kernel, and
     permgen.triton_kernels' for the rest."""
 
     target = "triton"
+    checks_routing_in_read = True
 
     def __init__(self, variant, permute_kernel: JITFunction):
         self.variant = Variant.of(variant).bind_torch()
@@ -301,28 +313,50 @@ class TritonBackend:
 
     # -- ops ---------------------------------------------------------------------------------------
 
+    @_geometry
+    def _permute_program(self, plan, routing_dtype, probs_dtype, scale_columns_in):
+        """permute's launches for one checked plan, worked out once: the call then allocates and launches."""
+        num_tokens, hidden, num_experts, width, cap = (plan.num_tokens, plan.hidden, plan.num_experts, plan.width,
+                                                       plan.num_out_tokens)
+        route, scratch_words, layout = self._routing_launch(num_tokens, width, num_experts, cap, routing_dtype)
+        rows = None if cap is None else self._rows_launch(num_tokens, hidden, width, num_experts, cap, True,
+                                                          scale_columns_in, routing_dtype, probs_dtype)
+        # Read without a cap: offsets[E] (the rows in use) and, E + 2 words on, the routes without a slot
+        # (route tallies[1]), in one strided read.
+        count_word = layout.segment_offsets + num_experts
+        return _PermuteProgram(route, scratch_words, layout.words, count_word, layout.end, layout.end - 1 - count_word,
+                               rows)
+
     def permute(self, plan, tokens, routing, probs, scale, routed=None) -> PermuteOutputs:
         """Two launches (routing, then rows). routed(row_map), when given, is called between them:
-        expert parallelism queues its count exchange there, so that it runs before the rows move."""
+        expert parallelism queues its count exchange there, so that it runs before the rows move.
+        Without a cap the row count is read back: permute's one host read, which also reads whether the
+        routing is valid when the plan checks it (checks_routing_in_read)."""
         v = self.variant
-        num_tokens, hidden, num_experts, width = plan.num_tokens, plan.hidden, plan.num_experts, plan.width
+        num_tokens, hidden, num_experts = plan.num_tokens, plan.hidden, plan.num_experts
+        cap = plan.num_out_tokens
+        routing_given = routing
+        if v.mask and routing.dtype == torch.bool:
+            routing = routing.view(torch.uint8)  # bools are loaded as bytes
+        program = self._permute_program(plan, routing.dtype, None if probs is None else probs.dtype,
+                                        None if scale is None else scale.shape[1])
         device = tokens.device
         index = tokens.get_device()
         aligned = _aligned(tokens, routing) and (probs is None or _aligned(probs)) and (scale is None or _aligned(scale))
-        cap = plan.num_out_tokens
-        if v.mask and routing.dtype == torch.bool:
-            routing = routing.view(torch.uint8)  # bools are loaded as bytes
-        route, scratch_words, layout = self._routing_launch(num_tokens, width, num_experts, cap, routing.dtype)
-        row_map = torch.empty(layout.words, dtype=torch.int32, device=device)
+        row_map = torch.empty(program.words, dtype=torch.int32, device=device)
         tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=device)
-        scratch = _routing_scratch(device, scratch_words)
+        scratch = _routing_scratch(device, program.scratch_words)
+        route = program.route
         num_blocks = route.programs
         route(index, aligned, routing, row_map, tokens_per_expert, scratch, num_tokens, num_blocks,
               _NO_CAP if cap is None else cap)
         if routed is not None:
             routed(row_map)
-        # Without a cap the row count is data-dependent: permute's one host sync (rows in use = offsets[E]).
-        num_rows = int(row_map[layout.segment_offsets + num_experts]) if cap is None else cap
+        bad_routing = None
+        if cap is None:
+            num_rows, bad_routing = self._read_rows(plan, program, row_map, routing_given)
+        else:
+            num_rows = cap
 
         if v.is_fp8 or v.quantizes:
             # fp8 rows move as bytes (Triton's fp8 types need a recent GPU even for a plain copy);
@@ -338,9 +372,12 @@ class TritonBackend:
         out_scale = None  # the scales moved with the rows (fp8 variants), or computed (quantising variants)
         if v.makes_scale:
             out_scale = torch.empty((num_rows, v.scale_columns(hidden)), dtype=v.scale_dtype, device=device)
-        rows, _, zero_programs, tail_programs = self._rows_launch(
-            num_tokens, hidden, width, num_experts, num_rows, cap is not None, None if scale is None else scale.shape[1],
-            routing.dtype, None if probs is None else probs.dtype)
+        if cap is None:
+            rows, _, zero_programs, tail_programs = self._rows_launch(
+                num_tokens, hidden, plan.width, num_experts, num_rows, False,
+                None if scale is None else scale.shape[1], routing.dtype, None if probs is None else probs.dtype)
+        else:
+            rows, _, zero_programs, tail_programs = program.rows
         if rows is not None:
             args = [tokens] + ([] if v.mask else [routing]) + [row_map, scratch, out]
             if probs is not None:
@@ -352,7 +389,20 @@ class TritonBackend:
             rows(index, aligned, *args, num_tokens, num_rows, hidden, num_blocks, zero_programs, tail_programs)
         if v.is_fp8 or v.quantizes:
             out = out.view(v.out_dtype)
-        return PermuteOutputs(out, out_probs, out_scale, tokens_per_expert, row_map, num_rows)
+        return PermuteOutputs(out, out_probs, out_scale, tokens_per_expert, row_map, num_rows, bad_routing)
+
+    def _read_rows(self, plan, program, row_map, routing):
+        """(rows in use, whether the routing breaks check_routing's rules or None) in one host read.
+        The routing kernel counts the routes without a slot (ids outside [-1, E); mask routes past
+        topk); an integer mask's values other than 0 and 1 are counted here, on the device."""
+        if not plan.check_routing:
+            return int(row_map[program.count_word]), None
+        words = row_map[program.count_word:program.end:program.unslotted_step]  # offsets[E], unslotted
+        if self.variant.mask and routing.dtype != torch.bool:
+            other_values = (routing.ne(0) & routing.ne(1)).sum(dtype=torch.int32).reshape(1)
+            words = torch.cat((words, other_values))
+        read = words.tolist()
+        return read[0], any(read[1:])
 
     def unpermute(self, row_id_map, permuted, merging_probs):
         num_tokens, hidden, row_map = row_id_map.num_tokens, permuted.shape[1], row_id_map.row_map

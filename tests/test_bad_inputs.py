@@ -110,11 +110,23 @@ def _refuse(*args, **kwargs):
 
 def no_launch(monkeypatch, mod):
     """The module's backend refuses every kernel launch (its device check still runs): the checks
-    must fire before a kernel is reached."""
+    must fire before a kernel is reached. One exception: a backend that checks the routing values
+    in permute's one host read (checks_routing_in_read) runs an uncapped, checked permute, which
+    must then report the routing as bad (permgen.ops raises before any result is returned)."""
     backend = mod._ops.backend
-    for method in ("permute", "unpermute", "permute_backward", "unpermute_backward"):
+    for method in ("unpermute", "permute_backward", "unpermute_backward"):
         assert callable(getattr(backend, method))
         monkeypatch.setattr(backend, method, _refuse)
+    permute = backend.permute
+
+    def permute_reporting_bad_routing(plan, *args, **kwargs):
+        if backend.checks_routing_in_read and plan.check_routing and plan.num_out_tokens is None:
+            out = permute(plan, *args, **kwargs)
+            if out.bad_routing:
+                return out
+        _refuse()
+
+    monkeypatch.setattr(backend, "permute", permute_reporting_bad_routing)
 
 
 # ---------------------------------------------------------------------------------------------
