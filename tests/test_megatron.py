@@ -67,6 +67,26 @@ def test_enable_is_reversible():
     assert megatron.enable()
 
 
+def test_transformer_engine_version_asked_once_per_version(monkeypatch):
+    """Releases whose fused unpermute asks is_te_min_version on every call (0.19 on) get the same
+    answers, asked of megatron-core once per version; disable() puts megatron-core's function back."""
+    megatron.disable()
+    asked = []
+
+    def is_te_min_version(version, check_equality=True):
+        asked.append(version)
+        return False
+
+    monkeypatch.setattr(moe_utils, "is_te_min_version", is_te_min_version, raising=False)
+    assert megatron.enable()
+    assert [moe_utils.is_te_min_version("2.12.0") for _ in range(3)] == [False] * 3
+    assert not moe_utils.is_te_min_version("2.13.0")
+    assert asked == ["2.12.0", "2.13.0"]
+    megatron.disable()
+    assert moe_utils.is_te_min_version is is_te_min_version
+    assert megatron.enable()
+
+
 @pytest.mark.parametrize("num_out_tokens", ["routes", "none"])
 @pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no_probs"])
 def test_permute_and_unpermute(with_probs, num_out_tokens, request):

@@ -17,6 +17,7 @@ what was there. Where TransformerEngine is installed, enable() changes nothing a
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from .. import te
@@ -45,7 +46,7 @@ def enable() -> bool:
     moe_utils = importlib.import_module(MOE_UTILS)
     if _saved or getattr(moe_utils, "HAVE_TE", False):
         return False
-    names = ("HAVE_TE", *FUNCTIONS, *UNAVAILABLE)
+    names = ("HAVE_TE", "is_te_min_version", *FUNCTIONS, *UNAVAILABLE)
     _saved.update({name: moe_utils.__dict__.get(name, _MISSING) for name in names})
     for name in UNAVAILABLE:
         if getattr(moe_utils, name, None) is None:
@@ -53,6 +54,11 @@ def enable() -> bool:
     for name, function in FUNCTIONS.items():
         setattr(moe_utils, name, function)
     moe_utils.HAVE_TE = True
+    if callable(_saved["is_te_min_version"]):
+        # Newer releases ask for TransformerEngine's version on every fused unpermute; without TE each
+        # ask is a failed import (about 100 us of host time per step). The answer cannot change while
+        # the process runs: ask once per version.
+        moe_utils.is_te_min_version = functools.lru_cache(maxsize=None)(_saved["is_te_min_version"])
     return True
 
 
