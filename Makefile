@@ -47,6 +47,7 @@ test-gpu: gpu-ready
 	$(PYTHON_SYS) -m pytest -q -p no:cacheprovider -n $(GPU_WORKERS) --dist worksteal tests
 
 bench: gpu-ready bench-megatron
+	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_host.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_layer.py --out benchmarks/results
