@@ -546,15 +546,33 @@ def load_probs(probs, t0, rows):
     return as_f
 
 
+def _select_bits(dst, data, op, operand):
+    """dst (an int32 tile) = all ones where `data op operand` holds, else 0: a mask that selects fp32 values by
+    their bits. A select, not a product: 0 * NaN and 0 * inf are NaN, so a 0 / 1 product would let a value
+    that is not selected spoil the result."""
+    nisa.tensor_scalar(dst=dst, data=data, op0=op, operand0=operand, op1=nl.multiply, operand1=-1.0)
+
+
+def _kept_only(value, dst, rows):
+    """[rows, 1] fp32: value (a [rows, 1] fp32 tile) where the slot's route is kept (dst >= 0), else 0, whatever
+    value holds there."""
+    kept = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    _select_bits(kept[0:rows, :], dst, nl.greater_equal, 0.0)
+    nisa.tensor_tensor(dst=kept[0:rows, :], data1=kept[0:rows, :], data2=value.view(nl.int32), op=nl.bitwise_and)
+    return kept[0:rows, :].view(nl.float32)
+
+
 def mask_slot_prob(probs_f, experts, rows, expert_ids):
     """[rows, 1] fp32: the prob of each token's route in the slot whose experts are `experts` (0 for an empty
-    slot), picked from the [P, E] probs by a one-hot select summed with zeros (exact for finite probs)."""
+    slot), picked from the [P, E] probs by its bits and summed with zeros: exact, NaN and inf included (-0.0
+    comes out as +0.0); the other columns are never read into it."""
     num_experts = expert_ids.shape[1]
-    onehot = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=onehot[0:rows, :], data=expert_ids[0:rows, :], op0=nl.equal, operand0=experts)
-    nisa.tensor_tensor(dst=onehot[0:rows, :], data1=onehot[0:rows, :], data2=probs_f[0:rows, :], op=nl.multiply)
+    picked = nl.ndarray((P, num_experts), dtype=nl.int32, buffer=nl.sbuf)
+    _select_bits(picked[0:rows, :], expert_ids[0:rows, :], nl.equal, experts)
+    nisa.tensor_tensor(dst=picked[0:rows, :], data1=picked[0:rows, :], data2=probs_f[0:rows, :].view(nl.int32),
+                       op=nl.bitwise_and)
     prob = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=prob[0:rows, :], op=nl.add, data=onehot[0:rows, :], axis=1, keepdims=True)
+    nisa.tensor_reduce(dst=prob[0:rows, :], op=nl.add, data=picked[0:rows, :].view(nl.float32), axis=1, keepdims=True)
     return prob[0:rows, :]
 
 
@@ -564,12 +582,14 @@ def index_slot_prob(probs_f, j, rows, expert_ids=None):
 
 
 def mask_store_slot_value(dense, experts, value, rows, expert_ids):
-    """dense[t, the slot's expert] = value[t], added into that column, which is zero before."""
+    """dense[t, the slot's expert] = value[t], its bits or-ed into that column, which is zero before: a
+    non-finite value stays in its column."""
     num_experts = expert_ids.shape[1]
-    onehot = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=onehot[0:rows, :], data=expert_ids[0:rows, :], op0=nl.equal, operand0=experts)
-    nisa.scalar_tensor_tensor(dst=dense[0:rows, :], data=onehot[0:rows, :], op0=nl.multiply, operand0=value,
-                              op1=nl.add, operand1=dense[0:rows, :])
+    picked = nl.ndarray((P, num_experts), dtype=nl.int32, buffer=nl.sbuf)
+    _select_bits(picked[0:rows, :], expert_ids[0:rows, :], nl.equal, experts)
+    nisa.tensor_scalar(dst=picked[0:rows, :], data=picked[0:rows, :], op0=nl.bitwise_and, operand0=value.view(nl.int32))
+    dense_bits = dense[0:rows, :].view(nl.int32)
+    nisa.tensor_tensor(dst=dense_bits, data1=dense_bits, data2=picked[0:rows, :], op=nl.bitwise_or)
 
 
 def index_store_slot_value(dense, j, value, rows, expert_ids=None):
@@ -585,7 +605,8 @@ def _add_route_rows(dst, slot, rows, rows_in, totals, probs_f=None, slot_prob=No
     """totals (fp32 [P, H_TILE] tiles, one per column block) += the slot's rows of rows_in (none at -1), weighted
     by the route's prob (slot_prob(probs_f, slot, rows, expert_ids)) where probs_f is given."""
     hidden = rows_in.shape[1]
-    weight = None if probs_f is None else slot_prob(probs_f, slot, rows, expert_ids)
+    # A slot with no kept route reads a zero row: its prob is selected away, not multiplied by that zero.
+    weight = None if probs_f is None else _kept_only(slot_prob(probs_f, slot, rows, expert_ids), dst, rows)
     for c in nl.static_range(len(totals)):
         h0 = c * H_TILE
         cols = min(H_TILE, hidden - h0)
@@ -734,7 +755,8 @@ def _route_grads(dst, slot, rows, grad_permuted, permuted, blocks_f, probs_f, do
         partial = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=partial[0:rows, :], op=nl.add, data=product[0:rows, 0:cols], axis=1, keepdims=True)
         nisa.tensor_tensor(dst=dot[0:rows, :], data1=dot[0:rows, :], data2=partial[0:rows, :], op=nl.add)
-    store_slot_value(dots, slot, dot[0:rows, :], rows, expert_ids)
+    # A slot with no kept route read a zero row, but 0 * a non-finite grad_out is NaN: its gradient is 0.
+    store_slot_value(dots, slot, _kept_only(dot[0:rows, :], dst, rows), rows, expert_ids)
 
 
 def scatter_route_grads(grad_permuted, grad_probs, grad_out, permuted, merging_probs, row_map, num_tokens, width,

@@ -254,15 +254,22 @@ def place_routes(experts_ptr, dst_rows_ptr, segment_offsets_ptr, block_offsets_p
     route = token * K + slot
     # Every slot of the row map is loaded, and only then masked by the count: the loads, and the
     # segment offsets' after them, need not wait for it. Past the count an expert is any number.
-    expert = tl.load(experts_ptr + route, mask=slot < K, other=-1).to(tl.int32)
-    known = (expert >= 0) & (expert < E)
+    # Ids are range-tested in their own width before they narrow to int32: an int64 id such as 2**32
+    # or -2**32 would otherwise narrow to a valid expert and take another route's row.
+    ids = tl.load(experts_ptr + route, mask=slot < K, other=-1)
+    known = (ids >= 0) & (ids < E)
+    expert = ids.to(tl.int32)
     valid = (slot < live) & known
     if MASK:
         rank = tl.load(ranks_ptr + route, mask=slot < K, other=0)  # beside the expert, not after it
     else:
         # Rank of each route among the earlier routes of its block that go to the same expert.
         block_route = block * BLOCK_TOKENS * K + tl.arange(0, BLOCK_ROUTES)
-        block_expert = tl.load(experts_ptr + block_route, mask=block_route < token * K + K, other=-1).to(tl.int32)
+        block_ids = tl.load(experts_ptr + block_route, mask=block_route < token * K + K, other=-1)
+        if block_ids.dtype.primitive_bitwidth > 32:  # compiled for int64 ids only
+            # An id outside [0, E) becomes -1 before it narrows, so that it matches no expert.
+            block_ids = tl.where((block_ids >= 0) & (block_ids < E), block_ids, -1)
+        block_expert = block_ids.to(tl.int32)
         earlier_same = (block_route[None, :] < route[:, None]) & (block_expert[None, :] == expert[:, None])
         rank = tl.sum(earlier_same.to(tl.int32), axis=1)
     # Segment starts are clipped to the row cap, so a route past the cap stays past it.
