@@ -44,7 +44,7 @@ from .results import PermuteResult, RowIdMap, row_map_words
 from .variant import Variant
 
 NAMESPACE = "permgen"
-_PLANS = 1024  # checked permute calls kept per variant (Ops._plan)
+_PLANS = 1024  # checked calls kept per variant and per chunk sort (Ops._plan, _passed)
 _TAKEN = set()  # op name prefixes taken in this process
 
 
@@ -148,6 +148,35 @@ def _registered(key: str) -> bool:
 _registered._dynamo_marked_constant = True
 
 
+def _passed(checked: set, key) -> bool:
+    """Whether a call with this key (what its checks read: shapes, dtypes, devices, contiguity, sizes;
+    None under torch.compile, where the checks are traced once per graph) already passed them, so
+    that a call like one already checked skips them."""
+    return key is not None and key in checked
+
+
+def _remember(checked: set, key):
+    if key is not None:
+        if len(checked) >= _PLANS:
+            checked.clear()
+        checked.add(key)
+
+
+def _eager_apply(function):
+    """function.apply without torch.autograd.Function.apply's Python layer when no functorch transform
+    is active: that layer's per-call work (binding default arguments, unwrapping tensors that escaped
+    a finished transform) costs the host more than the autograd node itself, and our functions take
+    only tensors and ints from permgen's own code."""
+    apply = function.apply
+    node_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def eager_apply(*args):
+        return apply(*args) if transforms_active() else node_apply(*args)
+
+    return eager_apply
+
+
 class _Registered:
     """Custom ops defined on first use; `op` (OpOverloads, the cheapest handle to call), `eager`
     (the same formulas as autograd.Functions over the implementations) and `custom_ops`."""
@@ -208,7 +237,7 @@ class _Registered:
                 return backward(ctx, *grads)
 
         Eager.__name__ = f"{self.prefix}_{op}"
-        self._eager[op] = Eager.apply
+        self._eager[op] = _eager_apply(Eager)
 
     def _calls(self, *inputs):
         """The ops under torch.compile; the eager autograd functions when a gradient can flow; else
@@ -309,6 +338,7 @@ class ChunkSort(_Registered):
         self.kernels = kernels
         self.define = getattr(kernels, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
         self.prob_dtypes = prob_dtypes()
+        self._checked = set()  # calls whose arguments passed the checks (_passed)
 
     def _register(self):
         self._define({
@@ -370,11 +400,18 @@ class ChunkSort(_Registered):
         negative size counts as empty, and rows past sizes that do not sum to N are zeros."""
         if token_dtypes is None:
             token_dtypes = (getattr(tokens, "dtype", None),)
-        check_tensor(where, "tokens", tokens, (None, None), token_dtypes, None)
+        try:  # what the checks below read (under torch.compile the checks run as written)
+            key = None if torch.compiler.is_compiling() else (where, token_dtypes, tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
+                   None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()))
+        except AttributeError:
+            key = None
+        if not _passed(self._checked, key):
+            check_tensor(where, "tokens", tokens, (None, None), token_dtypes, None)
+            if probs is not None:
+                check_tensor(where, "probs", probs, (tokens.shape[0],), self.prob_dtypes, tokens.device)
+            self.kernels.check_device(tokens)
+            _remember(self._checked, key)
         num_tokens = tokens.shape[0]
-        if probs is not None:
-            check_tensor(where, "probs", probs, (num_tokens,), self.prob_dtypes, tokens.device)
-        self.kernels.check_device(tokens)
         sizes, order = chunk_arguments(where, split_sizes, sorted_idxs, num_tokens, tokens.device)
         calls = self._calls(tokens, probs)
         if calls is None:
@@ -400,6 +437,7 @@ class Ops(_Registered):
         self.name = self.variant.name
         self.define = getattr(backend, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
         self._plans = {}  # what _plan keeps
+        self._checked = set()  # unpermute calls whose arguments passed the checks (_passed)
         super().__init__(_prefix(backend.target, self.name))
 
     def _register(self):
@@ -673,7 +711,18 @@ class Ops(_Registered):
         probs, or None for a plain sum (variants without probs refuse them); restore_shape:
         optional (N, H), checked. Returns [N, H], accumulated in fp32, deterministic.
         """
-        check_unpermute(self.variant, permuted, row_id_map, merging_probs, restore_shape, RowIdMap)
+        try:  # what check_unpermute reads (under torch.compile the checks run as written)
+            key = None if torch.compiler.is_compiling() else (type(row_id_map), row_id_map.variant, row_id_map.num_rows, row_id_map.num_tokens,
+                   row_id_map.routing.shape, row_id_map.row_map.device,
+                   permuted.shape, permuted.dtype, permuted.device, permuted.is_contiguous(),
+                   None if merging_probs is None else (merging_probs.shape, merging_probs.dtype, merging_probs.device,
+                                                      merging_probs.is_contiguous()),
+                   None if restore_shape is None else (type(restore_shape), tuple(restore_shape)))
+        except (AttributeError, TypeError):
+            key = None
+        if not _passed(self._checked, key):
+            check_unpermute(self.variant, permuted, row_id_map, merging_probs, restore_shape, RowIdMap)
+            _remember(self._checked, key)
         calls = self._calls(permuted, merging_probs)
         if calls is not None:
             return calls["unpermute"](permuted, row_id_map.row_map, merging_probs, row_id_map.num_tokens,

@@ -217,3 +217,40 @@ class PermuteResult(NamedTuple):
         """int32 0-d on the device: routes dropped, past num_out_tokens or without a slot (see
         RowIdMap.dropped); a view of the row map, so reading it is the only sync."""
         return self.row_id_map.dropped
+
+
+# TransformerEngine's functions (permgen.te) return the row map as one int32 tensor shaped so that
+# moe_unpermute reads every size it needs from it, whatever arguments it is given:
+#     mask maps    [N + 2, 2E + 1]               the row map (W = E), viewed 2-D (RowMapLayout.words)
+#     padded maps  [align_size, N + 2, 2E + 1]   the same, broadcast over a first dimension of
+#                                                align_size (stride 0: no memory), the alignment
+#     index maps   [N + 1, N + 2E + 3, k]        the row map viewed [N + 2E + 3, k], broadcast over
+#                                                a first dimension of N + 1 (stride 0): N
+
+def te_row_id_map(row_id_map: RowIdMap, map_type: str, pad: int) -> torch.Tensor:
+    """The row map of a permute as TransformerEngine's row_id_map (the layout above)."""
+    if map_type == "index":
+        return row_id_map.row_map.view(-1, row_id_map.width).expand(row_id_map.num_tokens + 1, -1, -1)
+    rows = row_id_map.row_map.view(-1, 2 * row_id_map.num_experts + 1)
+    return rows.expand(pad, -1, -1) if pad else rows
+
+
+def te_row_id_map_sizes(row_id_map, map_type: str, where: str):
+    """(row map [words], N, W, E, pad) read from a TransformerEngine-style row_id_map's shape."""
+    if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32:
+        raise TypeError(f"{where}: row_id_map must be the int32 tensor returned by permgen's moe_permute functions")
+    shape = row_id_map.shape
+    if map_type == "index":
+        if row_id_map.dim() != 3:
+            raise ValueError(f"{where}: row_id_map of an index map is [N + 1, N + 2E + 3, k], got {list(shape)} "
+                             "(is map_type the one given to moe_permute?)")
+        num_tokens, width = shape[0] - 1, shape[2]
+        num_experts = (shape[1] - num_tokens - 3) // 2
+        return row_id_map[0].reshape(-1), num_tokens, width, num_experts, 0
+    if row_id_map.dim() not in (2, 3) or shape[-1] % 2 == 0:
+        raise ValueError(f"{where}: row_id_map of a mask map is [N + 2, 2E + 1] ([align_size, N + 2, 2E + 1] "
+                         f"padded), got {list(shape)} (is map_type the one given to moe_permute?)")
+    pad = shape[0] if row_id_map.dim() == 3 else 0
+    rows = row_id_map[0] if pad else row_id_map
+    num_experts = (shape[-1] - 1) // 2
+    return rows.reshape(-1), shape[-2] - 2, num_experts, num_experts, pad

@@ -10,7 +10,7 @@ registry's LookupError names the `[[variant]]` to add to variants.toml. The func
 differentiable and trace under `torch.compile(fullgraph=True)` (the variants' ops are torch.library
 custom ops).
 
-`row_id_map` is an int32 tensor, as in TE, but it holds permgen's row map (permgen.results), shaped
+`row_id_map` is an int32 tensor, as in TE, but it holds permgen's row map (permgen.results.te_row_id_map), shaped
 so that moe_unpermute reads every size it needs from it, whatever arguments it is given:
     mask maps    [N + 2, 2E + 1]           the row map, viewed 2-D
     padded maps  [align_size, N + 2, 2E + 1]  the same, broadcast over a first dimension of
@@ -36,7 +36,7 @@ import torch
 
 from .axes import TOKEN_DTYPE_NAMES
 from .registry import get_kernel, variants
-from .results import RowIdMap
+from .results import RowIdMap, te_row_id_map, te_row_id_map_sizes
 from .triton_host import chunk_sort
 from .variant import Variant
 
@@ -144,14 +144,14 @@ def check_routes_on_device(enabled: bool = True):
 
 def _te_row_id_map(res, map_type, where):
     rim = res.row_id_map
-    if map_type == "index":
-        rows = rim.row_map.view(-1, rim.width)
-        if _ROUTE_CHECKS["on_device"]:
-            torch._assert_async(rim.unslotted == 0, f"{where}: routing_map holds expert ids outside [-1, E)")
-        return rows.expand(rim.num_tokens + 1, -1, -1)
-    rows = rim.row_map.view(-1, 2 * rim.num_experts + 1)
+    if map_type == "index" and _ROUTE_CHECKS["on_device"]:
+        torch._assert_async(rim.unslotted == 0, f"{where}: routing_map holds expert ids outside [-1, E)")
     pad = Variant.named(rim.variant).pad
-    return rows.expand(pad, -1, -1) if pad else rows
+    rows = te_row_id_map(rim, map_type, pad)
+    if not torch.compiler.is_compiling():
+        # What moe_unpermute would read back from the shape, kept with the tensor for calls that pass it on.
+        rows._permgen_sizes = (map_type, rim.row_map, rim.num_tokens, rim.width, rim.num_experts, pad, rim.routing)
+    return rows
 
 
 def _permute(where, inp, routing_map, probs, num_out_tokens, map_type, pad=0):
@@ -212,28 +212,6 @@ def moe_permute_and_pad_with_probs(inp, probs, routing_map, tokens_per_expert, a
     return res.tokens, res.probs, _te_row_id_map(res, "mask", where), pad_offsets, padded
 
 
-def _row_id_map_sizes(row_id_map, map_type):
-    """(row map [words], N, W, E, pad) from a row_id_map of this module's permute functions."""
-    where = "moe_unpermute"
-    if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32:
-        raise TypeError(f"{where}: row_id_map must be the int32 tensor returned by permgen's moe_permute functions")
-    shape = row_id_map.shape
-    if map_type == "index":
-        if row_id_map.dim() != 3:
-            raise ValueError(f"{where}: row_id_map of an index map is [N + 1, N + 2E + 3, k], got {list(shape)} "
-                             "(is map_type the one given to moe_permute?)")
-        num_tokens, width = shape[0] - 1, shape[2]
-        num_experts = (shape[1] - num_tokens - 3) // 2
-        return row_id_map[0].reshape(-1), num_tokens, width, num_experts, 0
-    if row_id_map.dim() not in (2, 3) or shape[-1] % 2 == 0:
-        raise ValueError(f"{where}: row_id_map of a mask map is [N + 2, 2E + 1] ([align_size, N + 2, 2E + 1] "
-                         f"padded), got {list(shape)} (is map_type the one given to moe_permute?)")
-    pad = shape[0] if row_id_map.dim() == 3 else 0
-    rows = row_id_map[0] if pad else row_id_map
-    num_experts = (shape[-1] - 1) // 2
-    return rows.reshape(-1), shape[-2] - 2, num_experts, num_experts, pad
-
-
 @_te_errors
 def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask", probs=None,
                   pad_offsets=None):
@@ -253,7 +231,12 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
         merging_probs = probs
     dtype = _dtype_axis(inp, "moe_unpermute")
     _check_map_type(map_type)
-    row_map, num_tokens, width, num_experts, pad = _row_id_map_sizes(row_id_map, map_type)
+    sizes = None if torch.compiler.is_compiling() else getattr(row_id_map, "_permgen_sizes", None)
+    if sizes is not None and sizes[0] == map_type:
+        _, row_map, num_tokens, width, num_experts, pad, routing = sizes
+    else:
+        row_map, num_tokens, width, num_experts, pad = te_row_id_map_sizes(row_id_map, map_type, "moe_unpermute")
+        routing = None
     if pad_offsets is not None and not pad:
         raise ValueError("moe_unpermute: pad_offsets given, but row_id_map comes from a permute without padding "
                          "(pad_offsets are those of moe_permute_and_pad_with_probs)")
@@ -268,8 +251,8 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
         if width == 1:
             return out
         return out.view(num_tokens, width, inp.shape[1]).transpose(0, 1).reshape(num_tokens * width, inp.shape[1])
-    # The routing columns only give the probs' shape to the checks: a view, no allocation.
-    routing = row_map[:1].expand(num_tokens, width)
+    if routing is None:  # the routing columns only give the probs' shape to the checks: a view, no allocation
+        routing = row_map[:1].expand(num_tokens, width)
     rim = RowIdMap(row_map, routing, num_tokens, width, num_experts, num_rows, mod.VARIANT["name"])
     return mod.unpermute(inp, rim, merging_probs, restore_shape if map_type == "mask" else None)
 
@@ -281,20 +264,21 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
 # The chunk sort depends on no variant: the Triton target's one (permgen.triton_host.chunk_sort) moves
 # every token dtype.
 _TOKEN_DTYPES = tuple(_DTYPES)
+_CHUNK_SORT = chunk_sort()  # made here (no op is registered before its first call): calls look up no getter
 
 
 @_te_errors
 def moe_sort_chunks_by_index(inp, split_sizes, sorted_index):
     """Split inp's rows [N, H] into chunks of split_sizes (they sum to N) and concatenate the chunks
     in the order of sorted_index; differentiable. Returns output [N, H]."""
-    return chunk_sort().sort("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, None, _TOKEN_DTYPES)[0]
+    return _CHUNK_SORT.sort("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, None, _TOKEN_DTYPES)[0]
 
 
 @_te_errors
 def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index):
     """moe_sort_chunks_by_index, moving probs [N] with their rows. Returns (output, permuted_probs)."""
-    return chunk_sort().sort("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index, probs,
-                             _TOKEN_DTYPES)
+    return _CHUNK_SORT.sort("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index, probs,
+                            _TOKEN_DTYPES)
 
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",

@@ -1,0 +1,133 @@
+"""The host path of the calls users make: how far a TransformerEngine-style call travels through
+permgen before its first launch, and (on a GPU) how many host reads each call makes."""
+
+import os
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cases import DEVICE, HAS_CUDA, generator_for
+import permgen
+from permgen import (moe_permute, moe_permute_with_probs, moe_sort_chunks_by_index, moe_unpermute,  # noqa: E402
+                     triton_host)
+
+PERMGEN = str(Path(permgen.__file__).parent)
+N, H, E, K = 32, 16, 8, 2
+
+
+def inputs(g):
+    ids = torch.rand(N, E, generator=g).topk(K, dim=1).indices
+    mask = torch.zeros(N, E, dtype=torch.bool).scatter_(1, ids, True)
+    probs = torch.rand(N, E, generator=g) * mask
+    tokens = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    return tokens.to(DEVICE), mask.to(DEVICE), probs.to(DEVICE), ids.to(torch.int32).to(DEVICE)
+
+
+def files_before_first_launch(call):
+    """The permgen files a call enters, in order, until its first kernel launch (runs of one file
+    collapsed)."""
+    files, launched = [], []
+
+    def profile(frame, event, arg):
+        if launched or event != "call":
+            return
+        code = frame.f_code
+        if code is triton_host.Launch.__call__.__code__:
+            launched.append(True)
+        elif code.co_filename.startswith(PERMGEN):
+            name = os.path.relpath(code.co_filename, PERMGEN)
+            if not files or files[-1] != name:
+                files.append(name)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    assert launched, "the call launched nothing"
+    return files
+
+
+@pytest.mark.parametrize("call", ["moe_permute", "moe_permute_num_out_tokens", "moe_permute_with_probs",
+                                  "moe_permute_index", "moe_unpermute", "moe_sort_chunks_by_index"])
+def test_te_call_goes_straight_to_its_launch(call, request):
+    """A call like one already made reaches its first launch through at most 4 files, never coming back
+    to a file it left."""
+    tokens, mask, probs, ids = inputs(generator_for(request))
+    _, row_id_map = permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
+    split = torch.full((E,), N * K // E, device=DEVICE)
+    rows, order = tokens.repeat(K, 1), torch.arange(E, device=DEVICE)
+    calls = {
+        "moe_permute": lambda: moe_permute(tokens, mask),
+        "moe_permute_num_out_tokens": lambda: moe_permute(tokens, mask, num_out_tokens=N * K),
+        "moe_permute_with_probs": lambda: moe_permute_with_probs(tokens, probs, mask, num_out_tokens=N * K),
+        "moe_permute_index": lambda: moe_permute(tokens, ids, map_type="index"),
+        "moe_unpermute": lambda: moe_unpermute(rows, row_id_map, restore_shape=tokens.shape),
+        "moe_sort_chunks_by_index": lambda: moe_sort_chunks_by_index(rows, split, order),
+    }
+    calls[call]()  # the first call checks and plans; the path measured is every later one's
+    files = files_before_first_launch(calls[call])
+    assert len(files) <= 4, files
+    assert len(set(files)) == len(files), f"comes back to a file it left: {files}"
+
+
+def _host_reads(call):
+    call()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="host reads are counted on a GPU (torch.cuda.set_sync_debug_mode)")
+def test_host_reads_are_those_transformer_engine_makes(request):
+    """num_out_tokens=-1: one read (the rows in use, and the routing check with them); num_out_tokens
+    given: none; index maps without an expert count: one (max id + 1); unpermute and the chunk sort
+    on device sizes: none; dropless dispatch: one."""
+    tokens, mask, probs, ids = inputs(generator_for(request))
+    out, row_id_map = permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
+    split = torch.full((E,), N * K // E, device=DEVICE)
+    expected = {
+        "moe_permute bool mask, -1": (lambda: permgen.moe_permute(tokens, mask), 1),
+        "moe_permute int32 mask, -1": (lambda: permgen.moe_permute(tokens, mask.int()), 1),
+        "moe_permute_with_probs, -1": (lambda: permgen.moe_permute_with_probs(tokens, probs, mask), 1),
+        "moe_permute, num_out_tokens": (lambda: permgen.moe_permute(tokens, mask, num_out_tokens=N * K), 0),
+        "moe_permute_with_probs, num_out_tokens": (
+            lambda: permgen.moe_permute_with_probs(tokens, probs, mask, num_out_tokens=N * K), 0),
+        "moe_permute index": (lambda: permgen.moe_permute(tokens, ids, map_type="index"), 1),
+        "moe_unpermute": (lambda: permgen.moe_unpermute(out, row_id_map, restore_shape=tokens.shape), 0),
+        "moe_sort_chunks_by_index": (
+            lambda: permgen.moe_sort_chunks_by_index(out, split, torch.arange(E, device=DEVICE)), 0),
+    }
+    got = {name: _host_reads(call) for name, (call, _) in expected.items()}
+    assert got == {name: reads for name, (_, reads) in expected.items()}
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="host reads are counted on a GPU; NCCL runs there")
+def test_dropless_dispatch_reads_once(request):
+    tokens, mask, probs, _ = inputs(generator_for(request))
+    mod = permgen.get_kernel("triton", dtype="bf16", routing="mask", probs=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = dist.new_group(backend="nccl") if dist.is_initialized() else None
+    if group is None:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        group = dist.group.WORLD
+    try:
+        assert _host_reads(lambda: mod.dispatch(tokens, mask, probs, group=group)) == 1
+        handle = mod.dispatch(tokens, mask, probs, group=group, recv_capacity=N * K)
+        assert _host_reads(lambda: mod.combine(handle.tokens, handle.handle, probs)) == 0
+    finally:
+        if group is dist.group.WORLD:
+            dist.destroy_process_group()
