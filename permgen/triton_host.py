@@ -515,7 +515,7 @@ class TritonChunkKernels:
     def sort_chunks(self, table, inverse, tokens, probs):
         """The chunk sort of tokens [N, H] (and probs [N]) by a chunk table; inverse: the table's
         other half, which undoes the sort (the backward pass). Returns (out, out_probs | None)."""
-        starts, sources = table[2:] if inverse else table[:2]
+        starts, sources = (table[2], table[3]) if inverse else (table[0], table[1])  # selects: cheaper than unbind
         num_chunks = table.shape[1] - 1
         moved = _row_words(tokens)
         num_rows, hidden = moved.shape
