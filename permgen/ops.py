@@ -149,9 +149,9 @@ _registered._dynamo_marked_constant = True
 
 
 def _passed(checked: set, key) -> bool:
-    """Whether a call with this key (what its checks read: shapes, dtypes, devices, contiguity, sizes;
-    None under torch.compile, where the checks are traced once per graph) already passed them, so
-    that a call like one already checked skips them."""
+    """Whether a call with this key (what its checks read: shapes, dtypes, devices, contiguity, sizes)
+    already passed them, so that a call like one already checked skips them. Never under
+    torch.compile, where the checks are traced once per graph."""
     return key is not None and key in checked
 
 
@@ -400,17 +400,19 @@ class ChunkSort(_Registered):
         negative size counts as empty, and rows past sizes that do not sum to N are zeros."""
         if token_dtypes is None:
             token_dtypes = (getattr(tokens, "dtype", None),)
-        try:  # what the checks below read (under torch.compile the checks run as written)
-            key = None if torch.compiler.is_compiling() else (where, token_dtypes, tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
+        compiling = torch.compiler.is_compiling()  # then the checks run as written, traced once per graph
+        try:  # what the checks below read
+            key = None if compiling else (where, token_dtypes, tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
                    None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()))
         except AttributeError:
             key = None
-        if not _passed(self._checked, key):
+        if compiling or not _passed(self._checked, key):  # (Dynamo must not read the set: it would guard on it)
             check_tensor(where, "tokens", tokens, (None, None), token_dtypes, None)
             if probs is not None:
                 check_tensor(where, "probs", probs, (tokens.shape[0],), self.prob_dtypes, tokens.device)
             self.kernels.check_device(tokens)
-            _remember(self._checked, key)
+            if not compiling:
+                _remember(self._checked, key)
         num_tokens = tokens.shape[0]
         sizes, order = chunk_arguments(where, split_sizes, sorted_idxs, num_tokens, tokens.device)
         calls = self._calls(tokens, probs)
@@ -711,8 +713,9 @@ class Ops(_Registered):
         probs, or None for a plain sum (variants without probs refuse them); restore_shape:
         optional (N, H), checked. Returns [N, H], accumulated in fp32, deterministic.
         """
-        try:  # what check_unpermute reads (under torch.compile the checks run as written)
-            key = None if torch.compiler.is_compiling() else (type(row_id_map), row_id_map.variant, row_id_map.num_rows, row_id_map.num_tokens,
+        compiling = torch.compiler.is_compiling()  # then the checks run as written, traced once per graph
+        try:  # what check_unpermute reads
+            key = None if compiling else (type(row_id_map), row_id_map.variant, row_id_map.num_rows, row_id_map.num_tokens,
                    row_id_map.routing.shape, row_id_map.row_map.device,
                    permuted.shape, permuted.dtype, permuted.device, permuted.is_contiguous(),
                    None if merging_probs is None else (merging_probs.shape, merging_probs.dtype, merging_probs.device,
@@ -720,9 +723,10 @@ class Ops(_Registered):
                    None if restore_shape is None else (type(restore_shape), tuple(restore_shape)))
         except (AttributeError, TypeError):
             key = None
-        if not _passed(self._checked, key):
+        if compiling or not _passed(self._checked, key):  # (Dynamo must not read the set: it would guard on it)
             check_unpermute(self.variant, permuted, row_id_map, merging_probs, restore_shape, RowIdMap)
-            _remember(self._checked, key)
+            if not compiling:
+                _remember(self._checked, key)
         calls = self._calls(permuted, merging_probs)
         if calls is not None:
             return calls["unpermute"](permuted, row_id_map.row_map, merging_probs, row_id_map.num_tokens,

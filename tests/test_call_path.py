@@ -34,7 +34,7 @@ print("autograd", " ".join(ops()))
 """
 
 # Capacity-mode dispatch -> experts -> combine -> backward under torch.compile(fullgraph=True) on a
-# one-rank gloo group: it must register its variant's ep ops and nothing else, and give the eager
+# one-rank group (gloo; NCCL on a GPU): it must register its variant's ep ops and nothing else, and give the eager
 # results bit for bit.
 COMPILED_EP = OPS + """
 import sys
@@ -42,13 +42,15 @@ import torch.distributed as dist
 import permgen
 mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True)
 print("load", len(ops()))
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+cuda = torch.cuda.is_available()  # NCCL and CUDA tensors on a GPU machine, gloo and the interpreter elsewhere
+dist.init_process_group("nccl" if cuda else "gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 group = dist.group.WORLD
+device = "cuda" if cuda else "cpu"
 N, H, E, k, C = 9, 16, 4, 2, 11
 g = torch.Generator().manual_seed(0)
-tokens = torch.randn(N, H, generator=g).to(torch.bfloat16)
-ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(torch.int32)
-probs = torch.rand(N, k, generator=g)
+tokens = torch.randn(N, H, generator=g).to(torch.bfloat16).to(device)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(torch.int32).to(device)
+probs = torch.rand(N, k, generator=g).to(device)
 
 def layer(tokens, ids, probs):
     res = mod.dispatch(tokens, ids, probs, group=group, num_experts=E, recv_capacity=C)
