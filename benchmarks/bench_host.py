@@ -8,7 +8,8 @@ public call is timed as users make it (TransformerEngine-style arguments, no hin
 per call (calls back to back, synchronised per block of calls: the GPU is idle behind them), the GPU
 operations it starts (kernels and memsets, counted by the profiler, one call), and the host reads it
 makes (torch.cuda.set_sync_debug_mode, one call). A backward pass is the difference between
-forward + torch.autograd.grad and the forward alone. The floor of a call is its launches at the cost
+forward + torch.autograd.grad and the forward alone; torch's own share of that (autograd.grad and the
+engine through one pointwise op's backward) is reported beside it. The floor of a call is its launches at the cost
 of a bare Triton launch measured in this process (a one-program kernel launched the way Triton's
 users launch it); the target is host time <= 1.5x that floor. Also the eager round trip (permute,
 unpermute) against its replay from a CUDA graph (target <= 3x), and one torch pointwise op.
@@ -197,6 +198,9 @@ def measure(device, shape, calls_per_block):
     bare_input = torch.zeros(1024, device=device)
     bare = host_us(lambda: _bare_kernel[(1,)](bare_input, 1000, BLOCK=1024), calls_per_block)
     one_op = host_us(lambda: bare_input * 2, calls_per_block)
+    # torch's own share of a backward pass (torch.autograd.grad, the engine) through one pointwise op
+    leaf, leaf_grad = torch.zeros(1024, device=device, requires_grad=True), torch.ones(1024, device=device)
+    autograd_floor = host_us(lambda: torch.autograd.grad(leaf * 2, (leaf,), (leaf_grad,)), calls_per_block) - one_op
     calls, inputs = calls_to_time(device, shape)
     rows = {}
     for name, (forward, backward) in calls.items():
@@ -218,6 +222,7 @@ def measure(device, shape, calls_per_block):
     return dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                 triton=triton.__version__, python=platform.python_version(),
                 shape=dict(zip("NHEk", shape)), bare_triton_launch_us=round(bare, 1), one_torch_op_us=round(one_op, 1),
+                autograd_floor_us=round(autograd_floor, 1),
                 call_target=CALL_TARGET, calls=rows, round_trip=trip,
                 command="python3 benchmarks/bench_host.py --out benchmarks/results")
 
@@ -228,7 +233,8 @@ def render(result) -> str:
              f"`{result['command']}`", "",
              f"floor: a bare Triton launch {result['bare_triton_launch_us']} us; one torch pointwise op "
              f"{result['one_torch_op_us']} us. ratio = host time / (launches x a bare launch), target <= "
-             f"{result['call_target']}", "",
+             f"{result['call_target']}. A backward pass also pays torch's autograd (torch.autograd.grad and "
+             f"the engine): {result.get('autograd_floor_us')} us through one pointwise op's backward.", "",
              "| call | host us | launches | host reads | ratio |", "|---|---|---|---|---|"]
     for name, row in result["calls"].items():
         lines.append(f"| {name} | {row['host_us']} | {row['launches']} | {row['host_reads']} | "
