@@ -35,6 +35,7 @@ over the op implementations: the dispatcher's custom-op path costs the host a fe
 call. All paths run the same backend code on the same arguments, so results are identical.
 """
 
+import weakref
 from typing import NamedTuple, Optional, Protocol
 
 import torch
@@ -339,6 +340,7 @@ class ChunkSort(_Registered):
         self.define = getattr(kernels, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
         self.prob_dtypes = prob_dtypes()
         self._checked = set()  # calls whose arguments passed the checks (_passed)
+        self._orders = {}  # id(sorted_idxs) -> (weak reference, version, whether in order): _in_order
 
     def _register(self):
         self._define({
@@ -390,6 +392,23 @@ class ChunkSort(_Registered):
         needs = ctx.needs_input_grad
         return (grad_tokens if needs[0] else None), (grad_probs if needs[1] else None), None, None
 
+    def _in_order(self, sorted_idxs) -> bool:
+        """Whether sorted_idxs is 0, 1, ..., C - 1: then the sort moves nothing (Megatron's dispatcher at
+        expert-parallel and tensor-parallel size 1 sorts by such an order on every call). Known once
+        per tensor and version (one host read, the first time, for a device tensor): callers keep the
+        same order tensor from call to call. Never read while a CUDA graph is captured."""
+        seen = self._orders.get(id(sorted_idxs))
+        if seen is not None and seen[0]() is sorted_idxs and seen[1] == sorted_idxs._version:
+            return seen[2]
+        if sorted_idxs.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        order = sorted_idxs.tolist()
+        in_order = order == list(range(len(order)))
+        if len(self._orders) >= _PLANS:
+            self._orders.clear()
+        self._orders[id(sorted_idxs)] = (weakref.ref(sorted_idxs), sorted_idxs._version, in_order)
+        return in_order
+
     def sort(self, where, tokens, split_sizes, sorted_idxs, probs=None, token_dtypes=None):
         """Split the rows of tokens [N, H] into chunks of split_sizes (they sum to N) and concatenate
         the chunks in the order of sorted_idxs; probs [N] move with their rows. Returns (out,
@@ -397,7 +416,9 @@ class ChunkSort(_Registered):
 
         split_sizes and sorted_idxs on the CPU are checked and copied to the device without a
         device sync (but not capturable in a CUDA graph); on the device they are not checked: a
-        negative size counts as empty, and rows past sizes that do not sum to N are zeros."""
+        negative size counts as empty, and rows past sizes that do not sum to N are zeros. When
+        sorted_idxs is in order (0, 1, ..., C - 1) nothing moves: tokens and probs are returned as they
+        are, the same tensors (see _in_order)."""
         if token_dtypes is None:
             token_dtypes = (getattr(tokens, "dtype", None),)
         compiling = torch.compiler.is_compiling()  # then the checks run as written, traced once per graph
@@ -415,6 +436,8 @@ class ChunkSort(_Registered):
                 _remember(self._checked, key)
         num_tokens = tokens.shape[0]
         sizes, order = chunk_arguments(where, split_sizes, sorted_idxs, num_tokens, tokens.device)
+        if not compiling and self._in_order(sorted_idxs):
+            return tokens, probs  # nothing moves (no launch, no copy: the same tensors)
         calls = self._calls(tokens, probs)
         if calls is None:
             return tuple(self.kernels.sort_chunks(self.kernels.chunk_table(sizes, order), False, tokens, probs))

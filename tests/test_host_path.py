@@ -61,7 +61,7 @@ def test_te_call_goes_straight_to_its_launch(call, request):
     tokens, mask, probs, ids = inputs(generator_for(request))
     _, row_id_map = permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
     split = torch.full((E,), N * K // E, device=DEVICE)
-    rows, order = tokens.repeat(K, 1), torch.arange(E, device=DEVICE)
+    rows, order = tokens.repeat(K, 1), torch.arange(E, device=DEVICE).flip(0)
     calls = {
         "moe_permute": lambda: moe_permute(tokens, mask),
         "moe_permute_num_out_tokens": lambda: moe_permute(tokens, mask, num_out_tokens=N * K),
@@ -133,3 +133,29 @@ def test_dropless_dispatch_reads_once(request):
     finally:
         if group is dist.group.WORLD:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+def test_chunk_sort_in_order_moves_nothing(target, request, monkeypatch):
+    """sorted_idxs 0..C-1 (Megatron's order at expert- and tensor-parallel size 1): the same tensors
+    come back, nothing launches; once the order tensor changes in place, the rows are sorted by it."""
+    from reference import sort_chunks_ref
+    mod = permgen.get_kernel(target, dtype="bf16", routing="mask", probs=True)
+    device = DEVICE if target == "triton" else torch.device("cpu")
+    g = generator_for(request)
+    sizes = [3, 0, 5, 2]
+    tokens = torch.randn(sum(sizes), H, generator=g).to(torch.bfloat16).to(device).requires_grad_()
+    probs = torch.rand(sum(sizes), generator=g).to(device)
+    split, order = torch.tensor(sizes, device=device), torch.arange(len(sizes), device=device)
+    kernels = mod._ops.chunk_sort.kernels
+    with monkeypatch.context() as patches:
+        for method in ("chunk_table", "sort_chunks"):
+            patches.setattr(kernels, method, lambda *a, **k: pytest.fail("a launch for an order that moves nothing"))
+        for _ in range(2):
+            out, out_probs = mod.sort_chunks(tokens, split, order, probs)
+            assert out is tokens and out_probs is probs
+    out.float().sum().backward()
+    assert torch.equal(tokens.grad, torch.ones_like(tokens.grad))
+    order.copy_(torch.tensor([2, 0, 3, 1]))  # in place: a new version of the same tensor
+    out, _ = mod.sort_chunks(tokens, split, order, probs)
+    assert torch.equal(out.detach().cpu(), sort_chunks_ref(tokens.detach().cpu(), sizes, [2, 0, 3, 1]))
