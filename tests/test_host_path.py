@@ -95,10 +95,12 @@ def _host_reads(call):
 def test_host_reads_are_those_transformer_engine_makes(request):
     """num_out_tokens=-1: one read (the rows in use, and the routing check with them); num_out_tokens
     given: none; index maps without an expert count: one (max id + 1); unpermute and the chunk sort
-    on device sizes: none; dropless dispatch: one."""
+    on device sizes: none (an order tensor seen for the first time: one, to know whether it moves
+    anything); dropless dispatch: one."""
     tokens, mask, probs, ids = inputs(generator_for(request))
     out, row_id_map = permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
     split = torch.full((E,), N * K // E, device=DEVICE)
+    in_order, reversed_order = torch.arange(E, device=DEVICE), torch.arange(E, device=DEVICE).flip(0)
     expected = {
         "moe_permute bool mask, -1": (lambda: permgen.moe_permute(tokens, mask), 1),
         "moe_permute int32 mask, -1": (lambda: permgen.moe_permute(tokens, mask.int()), 1),
@@ -108,8 +110,11 @@ def test_host_reads_are_those_transformer_engine_makes(request):
             lambda: permgen.moe_permute_with_probs(tokens, probs, mask, num_out_tokens=N * K), 0),
         "moe_permute index": (lambda: permgen.moe_permute(tokens, ids, map_type="index"), 1),
         "moe_unpermute": (lambda: permgen.moe_unpermute(out, row_id_map, restore_shape=tokens.shape), 0),
-        "moe_sort_chunks_by_index": (
-            lambda: permgen.moe_sort_chunks_by_index(out, split, torch.arange(E, device=DEVICE)), 0),
+        "moe_sort_chunks_by_index": (lambda: permgen.moe_sort_chunks_by_index(out, split, reversed_order), 0),
+        # in order: one read for a new order tensor, none for one already seen (Megatron keeps its own)
+        "moe_sort_chunks_by_index in order": (lambda: permgen.moe_sort_chunks_by_index(out, split, in_order), 0),
+        "moe_sort_chunks_by_index, a new order": (
+            lambda: permgen.moe_sort_chunks_by_index(out, split, torch.arange(E, device=DEVICE)), 1),
     }
     got = {name: _host_reads(call) for name, (call, _) in expected.items()}
     assert got == {name: reads for name, (_, reads) in expected.items()}
