@@ -7,7 +7,8 @@
 Each table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` in PERFORMANCE.md or
 README.md; everything between the markers is replaced. The sources are benchmarks/results/
 bench.json (make bench), bench_quantize.json (make bench-quantize, part of make bench) and
-bench_ep.json (make bench-ep) and bench_layer.json (part of make bench). A table whose results are
+bench_ep.json (make bench-ep), bench_layer.json, bench_megatron.json and bench_host.json (part of
+make bench). A table whose results are
 absent renders as nothing. Needs no GPU.
 """
 
@@ -284,6 +285,44 @@ def layer_table(layer):
                   "kept for backward, GiB (default / save_memory)", "gather GEMM / torch._grouped_mm"], rows)
 
 
+MEGATRON_SHAPES = {**LARGE_SHAPES, "small": ("small", "H=1024, E=16, k=2")}
+
+
+def megatron_table(mega):
+    """megatron-core's dispatcher step: fused (permgen) / unfused, and permgen's own dispatch / combine."""
+    rows = []
+    for r in mega["results"]:
+        paths, ratios = r.get("paths", {}), r.get("ratios", {})
+        if "fused" not in paths or "unfused" not in paths:
+            continue
+        name, sizes = MEGATRON_SHAPES.get(r["shape"], (r["shape"], ""))
+        rows.append([f"{name} ({sizes})", f"{r['N']:,}", fmt(paths["unfused"]["step_ms"]),
+                     fmt(paths["fused"]["step_ms"]), fmt(paths.get("permgen_ep", {}).get("step_ms")),
+                     fmt(ratios.get("fused_over_unfused")), fmt(ratios.get("ep_over_fused")),
+                     f"{fmt(paths['unfused']['host_ms'])} / {fmt(paths['fused']['host_ms'])}"])
+    meta = mega["meta"]
+    head = (f"{meta['device']}, megatron-core {meta['megatron_core']}, torch {meta['torch']}, Triton {meta['triton']}, "
+            f"permgen {meta.get('permgen_commit')}: `{meta['command']}`\n\n")
+    return head + table(["shape", "N per rank", "unfused ms", "fused ms", "permgen ep ms", "fused / unfused",
+                         "permgen ep / fused", "host ms, unfused / fused"], rows)
+
+
+def host_calls_table(host):
+    """Each public call's host time beside its launches at a bare Triton launch's cost (bench_host.py)."""
+    rows = [[name, fmt(r["host_us"], 1), fmt(r["launches"]), fmt(r["host_reads"]), fmt(r.get("ratio"))]
+            for name, r in host["calls"].items()]
+    trip = host["round_trip"]
+    shape = host["shape"]
+    head = (f"{host['device']}, torch {host['torch']}, Triton {host['triton']}; N={shape['N']}, H={shape['H']}, "
+            f"E={shape['E']}, k={shape['k']}: `{host['command']}`. A bare Triton launch: {host['bare_triton_launch_us']} "
+            f"us; one torch pointwise op: {host['one_torch_op_us']} us; torch's autograd through one op's backward: "
+            f"{host.get('autograd_floor_us', '–')} us.\n\n")
+    tail = (f"\n\nEager round trip (permute + unpermute): {trip['eager_us']} us; replayed from a CUDA graph: "
+            f"{trip.get('graph_replay_us', '–')} us ({trip.get('ratio', '–')}x).")
+    return head + table(["call", "host us", "launches", "host reads", "host / (launches x a bare launch)"],
+                        rows) + tail
+
+
 def render_all(results=RESULTS):
     """Table name -> Markdown (empty where its results are absent)."""
     bench, quant, ep, layer = (load(results, name) for name in ("bench.json", "bench_quantize.json", "bench_ep.json",
@@ -304,6 +343,11 @@ def render_all(results=RESULTS):
                        "ep-estimate": ep_estimate_table(ep)})
     if layer:
         tables["layer"] = layer_table(layer)
+    mega, host = load(results, "bench_megatron.json"), load(results, "bench_host.json")
+    if mega:
+        tables["megatron"] = megatron_table(mega)
+    if host:
+        tables["host-calls"] = host_calls_table(host)
     return tables
 
 
