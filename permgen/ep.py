@@ -44,6 +44,10 @@ Two modes:
   sender's buffer by its routes per token: pass topk (permute's hint) or it is sized for
   num_experts routes per token. The routing is checked only with check_routing=True (one host read).
 
+Before any collective sized by them, eager dispatch and combine swap a few words on the host (the
+ranks' input refusals and settings) so that a rank refusing its input, or ranks that disagree on a
+setting, raise on every rank instead of aborting gloo or leaving a peer waiting (_agree).
+
 The collectives move bytes, so every dtype goes through gloo (CPU) and NCCL (GPU) alike.
 """
 
@@ -392,12 +396,13 @@ def _raise_bad_routing(ops, routing, num_experts, width, bad_per_source, me):
                      "no rank dispatched")
 
 
-# ProcessGroup -> (world size, this process's rank in it, backend): what the checks learn once per group.
+# ProcessGroup -> [world size, this process's rank in it, backend, host channel]: what the checks learn
+# once per group (the channel, a gloo group over the same ranks, is made on first use).
 _GROUPS = weakref.WeakKeyDictionary()
 
 
-def _check_group(name, group, device):
-    """(world size, rank) of this process in the group, after checking the group can serve the tokens."""
+def _check_group(name, group):
+    """(world size, rank) of this process in the group, after checking it is one."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"{name}: torch.distributed is not initialised; call torch.distributed.init_process_group")
     if not isinstance(group, dist.ProcessGroup):
@@ -408,10 +413,95 @@ def _check_group(name, group, device):
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError(f"{name}: this process is not a member of the group")
-        facts = _GROUPS[group] = dist.get_world_size(group), rank, str(dist.get_backend(group))
-    if facts[2] == "nccl" and device.type != "cuda":
+        facts = _GROUPS[group] = [dist.get_world_size(group), rank, str(dist.get_backend(group)), None]
+    return facts[0], facts[1]
+
+
+def _check_backend(name, group, device):
+    if _GROUPS[group][2] == "nccl" and device.type != "cuda":
         raise ValueError(f"{name}: the group's backend is nccl but the tokens are on {device}")
-    return facts[:2]
+
+
+# -- agreement: every rank refuses when any rank refused its input or the ranks' settings differ ------
+#
+# The words go over a gloo group on host memory: comparing them reads nothing from a device (no
+# synchronisation, nothing captured in a CUDA graph), and a fixed number of words never depends on
+# the settings being compared, so this exchange cannot itself mismatch. The collectives after it are
+# sized by these settings; a rank that disagreed would abort gloo or leave NCCL waiting.
+
+_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+           torch.uint8, torch.int8, torch.int32, torch.int64, torch.bool)
+
+
+def _dtype_word(t):
+    if t is None:
+        return 0
+    return _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES) + (hash(str(t.dtype)) & 0xFFFF)
+
+
+def _show(label, word):
+    if label.endswith("dtype"):
+        return str(_DTYPES[word]) if 0 < word < len(_DTYPES) else ("absent" if word == 0 else f"dtype #{word}")
+    return "None" if word < 0 else str(word)
+
+
+def _host_channel(group):
+    """The group itself where it moves CPU tensors (gloo), else a gloo group over its ranks, made
+    once by its members (the first dispatch on a group is a call every member makes)."""
+    facts = _GROUPS[group]
+    if facts[3] is None:
+        if "gloo" in facts[2]:
+            facts[3] = group
+        else:
+            facts[3] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                      use_local_synchronization=True)
+    return facts[3]
+
+
+def _agree(name, what, group, world, me, refused, labels, words):
+    """One all_gather of 1 + len(words) int64 words over the host channel. Raises on every rank:
+    the refusing ranks their own error (`refused`), the others naming them; else, where the ranks'
+    words differ, naming each argument and every rank's value."""
+    if world == 1:
+        if refused is not None:
+            raise refused
+        return
+    mine = torch.tensor([int(refused is not None), *words], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=_host_channel(group))
+    rows = [t.tolist() for t in everyone]  # host memory: no device read
+    if refused is not None:
+        raise refused
+    culprits = [r for r, row in enumerate(rows) if row[0]]
+    if culprits:
+        raise ValueError(f"{name}: {what} refused the input of rank(s) {culprits} of the group (they raise the "
+                         f"details); no rank {what}ed")
+    differ = ["{}: {}".format(label, ", ".join(f"rank {r} {_show(label, row[i + 1])}" for r, row in enumerate(rows)))
+              for i, label in enumerate(labels) if len({row[i + 1] for row in rows}) > 1]
+    if differ:
+        raise ValueError(f"{name}: the ranks of the group disagree on what sizes the {what}'s collectives, so no "
+                         f"rank {what}ed (rank {me} raises this too): " + "; ".join(differ))
+
+
+_DISPATCH_WORDS = ("variant", "hidden size (tokens.shape[1])", "tokens.dtype", "num_experts",
+                   "recv_capacity (None: dropless)", "routes per token (routing.shape[1] or topk)", "topk",
+                   "probs columns (None: no probs)", "probs.dtype", "scale columns (None: no scale)", "scale.dtype",
+                   "check_routing")
+
+
+def _variant_word(ops):
+    import zlib
+
+    return zlib.crc32(ops.name.encode())
+
+
+def _dispatch_words(ops, tokens, probs, scale, num_experts, width, capacity, topk, check):
+    def cols(t):
+        return -1 if t is None else (t.shape[1] if t.dim() > 1 else 1)
+
+    return (_variant_word(ops), tokens.shape[1], _dtype_word(tokens), num_experts,
+            -1 if capacity is None else capacity, width, -1 if topk is None else topk, cols(probs), _dtype_word(probs),
+            cols(scale), _dtype_word(scale), int(bool(check)))
 
 
 # -- the public functions ------------------------------------------------------------------------
@@ -419,24 +509,22 @@ def _check_group(name, group, device):
 def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_experts=None, recv_capacity=None,
                  topk=None, check_routing=None) -> DispatchResult:
     name = ops.name
-    if num_experts is None and not ops.variant.mask:
-        raise ValueError(f"{name}: dispatch needs num_experts, the experts of all ranks together (index routing "
-                         "does not say how many there are); each rank owns num_experts / world size of them")
-    if recv_capacity is not None and not _is_int(recv_capacity):
-        raise TypeError(f"{name}: recv_capacity must be an int or None, got {type(recv_capacity).__name__}")
-    if recv_capacity is not None and recv_capacity < 1:
-        raise ValueError(f"{name}: recv_capacity must be at least 1, got {recv_capacity}")
-    if check_routing is not None and not isinstance(check_routing, bool):
-        raise TypeError(f"{name}: check_routing must be a bool or None, got {type(check_routing).__name__}")
-    plan = check_permute(ops.variant, tokens, routing, probs, scale, num_experts, None, topk, False)
-    num_experts = plan.num_experts
-    ops.backend.check_device(tokens)
     compiling = torch.compiler.is_compiling()
-    world = group.size() if compiling else _check_group(name, group, tokens.device)[0]
-    if num_experts % world:
-        raise ValueError(f"{name}: num_experts={num_experts} must be divisible by the group's {world} ranks "
-                         "(experts are split evenly over the ranks)")
+    world, me = (group.size(), None) if compiling else _check_group(name, group)
+    refused = None
+    try:  # a rank refusing its input tells the others before any collective, so none waits on it
+        plan = _check_dispatch(ops, tokens, routing, probs, scale, group, num_experts, recv_capacity, topk,
+                               check_routing, world, compiling)
+    except (TypeError, ValueError) as e:
+        if compiling:
+            raise
+        refused, plan = e, None
     check = recv_capacity is None if check_routing is None else check_routing
+    if not compiling:
+        words = () if plan is None else _dispatch_words(ops, tokens, probs, scale, plan.num_experts, plan.width,
+                                                        recv_capacity, topk, check)
+        _agree(name, "dispatch", group, world, me, refused, _DISPATCH_WORDS, words or (0,) * len(_DISPATCH_WORDS))
+    num_experts = plan.num_experts
     if compiling:
         if recv_capacity is None or check:
             raise ValueError(f"{name}: under torch.compile dispatch needs recv_capacity (dropless mode and "
@@ -452,6 +540,29 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
         out, out_probs = _dispatch_rows(handle, res)
     out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))[0]
     return DispatchResult(out, out_probs, out_scale, tokens_per_expert, handle)
+
+
+def _check_dispatch(ops, tokens, routing, probs, scale, group, num_experts, recv_capacity, topk, check_routing,
+                    world, compiling):
+    """This rank's input checks (raising before any collective); returns permute's plan."""
+    name = ops.name
+    if num_experts is None and not ops.variant.mask:
+        raise ValueError(f"{name}: dispatch needs num_experts, the experts of all ranks together (index routing "
+                         "does not say how many there are); each rank owns num_experts / world size of them")
+    if recv_capacity is not None and not _is_int(recv_capacity):
+        raise TypeError(f"{name}: recv_capacity must be an int or None, got {type(recv_capacity).__name__}")
+    if recv_capacity is not None and recv_capacity < 1:
+        raise ValueError(f"{name}: recv_capacity must be at least 1, got {recv_capacity}")
+    if check_routing is not None and not isinstance(check_routing, bool):
+        raise TypeError(f"{name}: check_routing must be a bool or None, got {type(check_routing).__name__}")
+    plan = check_permute(ops.variant, tokens, routing, probs, scale, num_experts, None, topk, False)
+    ops.backend.check_device(tokens)
+    if not compiling:
+        _check_backend(name, group, tokens.device)
+    if plan.num_experts % world:
+        raise ValueError(f"{name}: num_experts={plan.num_experts} must be divisible by the group's {world} ranks "
+                         "(experts are split evenly over the ranks)")
+    return plan
 
 
 def _plan(ops, plan, tokens, routing, probs, scale, group, world, topk, recv_capacity, check):
@@ -617,6 +728,24 @@ def run_combine(ops, expert_out, handle, merging_probs=None):
     if not isinstance(handle, EpHandle):
         raise TypeError(f"{name}: handle must be the DispatchResult.handle of this module's dispatch, "
                         f"got {type(handle).__name__}")
+    compiling = torch.compiler.is_compiling()
+    group = handle.group
+    refused = None
+    try:  # as in dispatch: a refusal here reaches every rank before the rows move
+        _check_combine(ops, expert_out, handle, merging_probs)
+    except (TypeError, ValueError) as e:
+        if compiling:
+            raise
+        refused = e
+    if not compiling:
+        world, me = _check_group(name, group)
+        _agree(name, "combine", group, world, me, refused, ("variant",), (_variant_word(handle.ops),))
+        return _combine_rows(ops, expert_out, handle, merging_probs)
+    return _COMPILED_EP[ops.prefix].combine(expert_out, handle, merging_probs)
+
+
+def _check_combine(ops, expert_out, handle, merging_probs):
+    name = ops.name
     if handle.ops is not ops:
         raise ValueError(f"{name}: handle comes from variant {handle.ops.name}'s dispatch")
     device = handle.send_map.row_map.device
@@ -628,8 +757,9 @@ def run_combine(ops, expert_out, handle, merging_probs=None):
         send_map = handle.send_map
         check_tensor(ops.variant, "merging_probs", merging_probs, (send_map.num_tokens, send_map.routing.shape[1]),
                      prob_dtypes(), device)
-    if torch.compiler.is_compiling():
-        return _COMPILED_EP[ops.prefix].combine(expert_out, handle, merging_probs)
+
+
+def _combine_rows(ops, expert_out, handle, merging_probs):
     if _needs_grad(expert_out, merging_probs):
         return _Combine.apply(handle, expert_out, merging_probs)
     return ops.backend.unpermute(handle.send_map, _to_sources(handle, expert_out)[0], merging_probs)

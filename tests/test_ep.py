@@ -414,6 +414,64 @@ def check_bad_input(mod, group, world):
         other.combine(torch.zeros(res.tokens.shape, dtype=combine_dtype(other.VARIANT), device=EP_DEVICE), res.handle)
 
 
+# The variants the disagreement checks run on (two ranks): index routing with probs, mask routing.
+DISAGREE = ("probs_bf16_index", "bf16_mask")
+
+
+def check_disagreement(mod, world, me):
+    """Ranks that disagree on what sizes a collective, or one rank refusing its input, raise a
+    ValueError on every rank before any collective that could abort or wait: each case on a group
+    of its own with a short timeout, so a rank left waiting fails the case instead of hanging."""
+    v = mod.VARIANT
+    group = torch.distributed.new_group(list(range(world)), timeout=timedelta(seconds=30))
+    num_experts, k = 2 * world, 2
+    g = torch.Generator().manual_seed(7)
+
+    def inputs(hidden=HIDDEN, experts=num_experts, width=k, n=4):
+        tokens = make_tokens(v, n, hidden, g)
+        ids = expert_ids(n, experts, width, g)
+        routing = routing_from_ids(v, ids, experts)
+        probs = torch.rand(n, prob_columns(v, experts, width), generator=g) if v["probs"] else None
+        return on_device(tokens, routing, probs, make_scale(v, n, hidden, g))
+
+    def on_rank1(mine, other):
+        return other if me == 1 else mine
+
+    kw = dict(group=group, num_experts=num_experts)
+    cases = [  # (words the message holds, rank 0's and rank 1's (args, kwargs))
+        ("hidden size", (inputs(), kw), (inputs(hidden=2 * HIDDEN), kw)),
+        ("recv_capacity", (inputs(), dict(kw, recv_capacity=3)), (inputs(), dict(kw, recv_capacity=2))),
+        ("recv_capacity", (inputs(), kw), (inputs(), dict(kw, recv_capacity=2))),
+        # (one rank's input refused: the others name it)
+        ("refused the input of rank\\(s\\) \\[1\\]|shape", (inputs(), kw), (inputs()[:1] + inputs(n=3)[1:], kw)),
+    ]
+    if v["routing"] == "index":
+        cases += [
+            ("num_experts", (inputs(), kw), (inputs(experts=2 * num_experts), dict(kw, num_experts=2 * num_experts))),
+            ("routes per token", (inputs(), kw), (inputs(width=1), kw)),
+        ]
+    else:
+        cases += [
+            ("num_experts", (inputs(), kw), (inputs(experts=2 * num_experts), dict(kw, num_experts=None))),
+            ("topk", (inputs(), dict(kw, topk=2)), (inputs(), kw)),
+        ]
+    for words, zero, one in cases:
+        args, kwargs = on_rank1(zero, one)
+        with pytest.raises(ValueError, match=words) as caught:
+            mod.dispatch(*args, **kwargs)
+        if "refused" not in words:
+            assert "rank 0" in str(caught.value) and "rank 1" in str(caught.value), str(caught.value)
+    # A bad combine input on rank 1 only: rank 0 raises too instead of waiting for rank 1's rows.
+    res = mod.dispatch(*inputs(), **kw)
+    cdt = combine_dtype(v)
+    rows = res.tokens.shape[0] + (1 if me == 1 else 0)
+    with pytest.raises(ValueError, match="refused the input of rank\\(s\\) \\[1\\]|expert_out"):
+        mod.combine(torch.zeros(rows, HIDDEN, dtype=cdt, device=EP_DEVICE), res.handle)
+    # The group still works: nothing was left half-sent.
+    out = mod.combine(torch.zeros(res.tokens.shape, dtype=cdt, device=EP_DEVICE), res.handle)
+    assert out.shape == (4, HIDDEN)
+
+
 def check_no_host_sync(mod, group, world, me):
     """GPU: capacity mode makes no host synchronisation (forward and backward); dispatch -> experts
     -> combine -> backward captured in one CUDA graph and replayed on new inputs gives the eager
@@ -627,6 +685,13 @@ def worker(me, world, outdir):
                     results[key] = None
                 except Exception:  # noqa: BLE001
                     results[key] = traceback.format_exc()
+            if world == 2 and name in DISAGREE:
+                key = f"{name}-disagree"
+                try:
+                    check_disagreement(mod, world, me)
+                    results[key] = None
+                except Exception:  # noqa: BLE001
+                    results[key] = traceback.format_exc()
             key = f"{name}-bad_input"
             try:
                 check_bad_input(mod, group, world)
@@ -707,7 +772,8 @@ def compiled_case(world, name):
 
 PARAMS = [pytest.param(world, f"{name}-{case}", id=f"{world}-{name}-{case}") for world in WORLD_SIZES
           for name in variants_for("triton")
-          for case in [c.name for c in cases_for(world, name)] + ["bad_input"] + GPU_ONLY + compiled_case(world, name)]
+          for case in [c.name for c in cases_for(world, name)] + ["bad_input"] + GPU_ONLY + compiled_case(world, name)
+          + (["disagree"] if world == 2 and name in DISAGREE else [])]
 PARAMS.append(pytest.param(4, f"{plain_variant()}-subgroups", id=f"4-{plain_variant()}-subgroups"))
 
 
