@@ -417,3 +417,17 @@ def poison(t):
     else:
         t.fill_(torch.iinfo(t.dtype).max)
     return t
+
+
+def host_reads(fn) -> int:
+    """How many synchronising CUDA calls fn() makes, counted by torch.cuda.set_sync_debug_mode("warn")
+    (whose own one-time warning, that the mode is a prototype, is not one)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing" in str(w.message) for w in caught)

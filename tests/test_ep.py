@@ -39,7 +39,7 @@ import permgen
 from permgen.contract import scale_kind
 
 from cases import (PROB_GRAD_TOL, assert_bits_equal, assert_products_equal, assert_sum_close, combine_dtype,
-                   expert_ids, is_fp8, load, make_scale, make_tokens, poison, prob_columns, routing_from_ids,
+                   expert_ids, host_reads, is_fp8, load, make_scale, make_tokens, poison, prob_columns, routing_from_ids,
                    stable_seed, variants_for)
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
@@ -477,8 +477,6 @@ def check_no_host_sync(mod, group, world, me):
     -> combine -> backward captured in one CUDA graph and replayed on new inputs gives the eager
     results bit for bit; dropless dispatch reads back exactly once, its combine and both backward
     passes never."""
-    import warnings
-
     v = mod.VARIANT
     case = CASES[world][-1]
     num_experts = case.experts_per_rank * world
@@ -499,17 +497,6 @@ def check_no_host_sync(mod, group, world, me):
         grads = torch.autograd.grad(out.float().sum(), wanted) if wanted else ()
         return (res.tokens, out, *grads)
 
-    def syncs(fn):
-        """fn() under set_sync_debug_mode("warn"): how many synchronising calls it made."""
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
-
     def no_syncs(fn, what):
         """fn() under set_sync_debug_mode("error"): a synchronising call raises where it is made."""
         torch.cuda.synchronize()
@@ -529,7 +516,7 @@ def check_no_host_sync(mod, group, world, me):
     no_syncs(lambda: step(*args, **capacity), "capacity mode")
     res = mod.dispatch(*args, **kw)
     torch.cuda.synchronize()
-    assert syncs(lambda: mod.dispatch(*args, **kw)) == 1, "dropless dispatch: not exactly one host read"
+    assert host_reads(lambda: mod.dispatch(*args, **kw)) == 1, "dropless dispatch: not exactly one host read"
 
     def dropless_rest():
         out = mod.combine(res.tokens.to(cdt) * 2, res.handle, args[2])
