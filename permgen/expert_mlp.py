@@ -71,6 +71,12 @@ def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_exper
     if tuple(w2.shape) != (experts, width2 // 2, hidden):
         raise ValueError(f"{name}: w2 must be [E, F, H] = {(experts, width2 // 2, hidden)} for w1 "
                          f"{tuple(w1.shape)}, got {tuple(w2.shape)}")
+    # torch._grouped_mm takes rows of whole 16-byte multiples (its words: "strides should be multiple of 16 bytes").
+    multiple = max(1, 16 // tokens.element_size())
+    for label, size in (("H (the tokens' columns)", hidden), ("F (w2's rows, w1's columns / 2)", width2 // 2)):
+        if size % multiple:
+            raise ValueError(f"{name}: {label} = {size} must be a multiple of {multiple} for {tokens.dtype} "
+                             "(the grouped GEMM reads rows of 16-byte multiples)")
     if num_experts is not None and num_experts != experts:
         raise ValueError(f"{name}: num_experts={num_experts} but the weights hold {experts} experts")
     if not isinstance(save_memory, bool):

@@ -306,7 +306,8 @@ class NkiChunkKernels:
         rows = torch.arange(num_rows, dtype=torch.int32, device=tokens.device)
         chunk = torch.searchsorted(starts, rows, right=True) - 1  # starts[0] = 0: every row has one
         source = sources[chunk] + rows - starts[chunk]
-        moved = (chunk < starts.shape[0] - 1) & (source < num_rows)  # rows past the chunks' total: zeros
+        # Rows past the chunks' total are zeros; so are rows whose source wrapped (device sizes are unchecked).
+        moved = (chunk < starts.shape[0] - 1) & (source >= 0) & (source < num_rows)
         out, out_probs = self._gather_rows(torch.where(moved, source, 0), tokens, probs)
         out = out.view(torch.uint8).masked_fill(~moved[:, None], 0).view(out.dtype)  # as bytes: fp8 too
         return out, None if out_probs is None else out_probs.masked_fill(~moved, 0)

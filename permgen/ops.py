@@ -288,6 +288,9 @@ def _to_device(t, device, compiling):
     return t.to(device)
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def chunk_table(split_sizes, sorted_idxs):
     """The chunk sort's table, int32 [4, C + 1], with torch ops (the NKI target's; the Triton target
     computes the same in one kernel program). Rows 0, 1: output chunk j's first row in the output
@@ -295,9 +298,10 @@ def chunk_table(split_sizes, sorted_idxs):
     first row in the input and in the output. Entry C of rows 0 and 2 is the chunks' total, of rows
     1 and 3 zero. Rows 0 and 2 ascend, so a row's chunk is found by binary search; rows 2, 3 undo
     the sort. On the device nothing is read back: a negative size counts as empty, an index out of
-    range is clamped."""
+    range is clamped, and sizes that would wrap (in int64 or in the table's int32) are cut: each to
+    2^31 - 1, and the starts to 2^31 - 1, where no row is."""
     num_chunks = split_sizes.shape[0]
-    sizes = split_sizes.long().clamp(min=0)
+    sizes = split_sizes.long().clamp(0, _INT32_MAX)  # C such sizes sum in int64 without wrapping
     order = sorted_idxs.long().clamp(0, max(num_chunks - 1, 0))
     total = sizes.sum().reshape(1)
     in_starts = torch.cumsum(sizes, 0) - sizes
@@ -307,7 +311,7 @@ def chunk_table(split_sizes, sorted_idxs):
     table = torch.stack((torch.cat((out_starts, total)), torch.cat((in_starts[order], zero)),
                          torch.cat((in_starts, total)),
                          torch.cat((torch.zeros_like(sizes).scatter(0, order, out_starts), zero))))
-    return table.to(torch.int32)
+    return table.clamp_(max=_INT32_MAX).to(torch.int32)  # clamped, the starts still ascend
 
 
 # Index routing's expert count read from the ids is at most this: a larger id is more likely a bug

@@ -4,6 +4,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .axes import MAX_PAD
 from .variant import Variant
 
 
@@ -236,21 +237,30 @@ def te_row_id_map(row_id_map: RowIdMap, map_type: str, pad: int) -> torch.Tensor
 
 
 def te_row_id_map_sizes(row_id_map, map_type: str, where: str):
-    """(row map [words], N, W, E, pad) read from a TransformerEngine-style row_id_map's shape."""
+    """(row map [words], N, W, E, pad) read from a TransformerEngine-style row_id_map's shape.
+
+    A shape that is not the map_type's is refused: an index map read as a mask map (or the reverse)
+    would be read at the wrong offsets. A padded mask map's first dim is the alignment (a power of
+    two <= MAX_PAD) and its last is 2E + 1, odd; an index map's middle dim less its first is 2E + 2,
+    even and >= 4. An index map of N = 2^j - 1 tokens with an odd k also has a padded mask map's shape:
+    then the shape alone cannot tell, and the map_type given decides (the maps permgen's functions
+    return carry their map_type: permgen.te checks it before this)."""
     if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32:
         raise TypeError(f"{where}: row_id_map must be the int32 tensor returned by permgen's moe_permute functions")
-    shape = row_id_map.shape
+    shape = list(row_id_map.shape)
     if map_type == "index":
-        if row_id_map.dim() != 3:
-            raise ValueError(f"{where}: row_id_map of an index map is [N + 1, N + 2E + 3, k], got {list(shape)} "
-                             "(is map_type the one given to moe_permute?)")
+        if row_id_map.dim() != 3 or shape[2] < 1 or (shape[1] - shape[0]) % 2 or shape[1] - shape[0] < 4:
+            raise ValueError(f"{where}: map_type='index', but row_id_map {shape} is not an index map "
+                             "[N + 1, N + 2E + 3, k] (is map_type the one given to moe_permute?)")
         num_tokens, width = shape[0] - 1, shape[2]
         num_experts = (shape[1] - num_tokens - 3) // 2
         return row_id_map[0].reshape(-1), num_tokens, width, num_experts, 0
-    if row_id_map.dim() not in (2, 3) or shape[-1] % 2 == 0:
-        raise ValueError(f"{where}: row_id_map of a mask map is [N + 2, 2E + 1] ([align_size, N + 2, 2E + 1] "
-                         f"padded), got {list(shape)} (is map_type the one given to moe_permute?)")
     pad = shape[0] if row_id_map.dim() == 3 else 0
+    if row_id_map.dim() not in (2, 3) or shape[-1] % 2 == 0 or shape[-1] < 3 or shape[-2] < 2 \
+            or (row_id_map.dim() == 3 and not (0 < pad <= MAX_PAD and pad & (pad - 1) == 0)):
+        raise ValueError(f"{where}: map_type='mask', but row_id_map {shape} is not a mask map [N + 2, 2E + 1] "
+                         f"([align_size, N + 2, 2E + 1] padded, align_size a power of two <= {MAX_PAD}) "
+                         "(is map_type the one given to moe_permute?)")
     rows = row_id_map[0] if pad else row_id_map
     num_experts = (shape[-1] - 1) // 2
     return rows.reshape(-1), shape[-2] - 2, num_experts, num_experts, pad

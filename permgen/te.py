@@ -23,8 +23,11 @@ Pass it only to this module's moe_unpermute; it is never copied (.contiguous() w
 the broadcast). The README's "Coming from TransformerEngine" lists what remains different.
 
 Dropped routes (past num_out_tokens, or index ids outside [-1, E)) are counted on the device, in
-the row map; TE's return tuples have no place for the count, so `check_routes_on_device(True)`
-makes every permute here assert on the device, asynchronously, that no id was out of range.
+the row map (`route_tallies(row_id_map)` reads them); TE's return tuples have no place for the count,
+so `check_routes_on_device(True)` makes every permute here assert on the device, asynchronously, that
+no route lacked a slot. An integer mask given a row cap (no host read) is not checked on the host: its
+values other than 0 and 1 (as [N, k] expert ids passed with map_type left at 'mask' hold) are counted
+as routes without a slot, and such a call's rows mean nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from .axes import TOKEN_DTYPE_NAMES
 from .registry import get_kernel, variants
-from .results import RowIdMap, te_row_id_map, te_row_id_map_sizes
+from .results import RowIdMap, RowMapLayout, te_row_id_map, te_row_id_map_sizes
 from .triton_host import chunk_sort
 from .variant import Variant
 
@@ -57,6 +60,10 @@ def _te_errors(fn):
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except LookupError as error:  # no generated variant: name the function called, keep the [[variant]] text
+            if type(error) is not LookupError:  # a KeyError / IndexError is no registry miss
+                raise
+            raise LookupError(f"{name}: {error.args[0] if error.args else error}") from None
         except (ValueError, TypeError) as error:
             where, sep, message = str(error).partition(": ")
             if not sep or (where not in _VARIANT_NAMES and where != name):
@@ -137,15 +144,18 @@ _ROUTE_CHECKS = {"on_device": False}
 
 def check_routes_on_device(enabled: bool = True):
     """Make every permute of this module assert on the device, asynchronously (no host sync), that
-    no index id was outside [-1, E): a bad id fails the next synchronising call (on the CPU: the
-    permute) with a device-side assertion. Off by default; the count is always in the row map."""
+    no route lacked a slot: no index id outside [-1, E), no integer mask value other than 0 and 1. A
+    bad route fails the next synchronising call (on the CPU: the permute) with a device-side
+    assertion. Off by default; the count is always in the row map (route_tallies)."""
     _ROUTE_CHECKS["on_device"] = bool(enabled)
 
 
 def _te_row_id_map(res, map_type, where):
     rim = res.row_id_map
-    if map_type == "index" and _ROUTE_CHECKS["on_device"]:
-        torch._assert_async(rim.unslotted == 0, f"{where}: routing_map holds expert ids outside [-1, E)")
+    if _ROUTE_CHECKS["on_device"]:
+        torch._assert_async(rim.unslotted == 0, f"{where}: routing_map holds expert ids outside [-1, E)"
+                            if map_type == "index" else f"{where}: routing_map holds values other than 0 and 1; "
+                            "[N, k] expert ids need map_type='index'")
     pad = Variant.named(rim.variant).pad
     rows = te_row_id_map(rim, map_type, pad)
     if not torch.compiler.is_compiling():
@@ -165,7 +175,21 @@ def _permute(where, inp, routing_map, probs, num_out_tokens, map_type, pad=0):
         cap = _rows_kept(num_out_tokens, map_type, where, routing_map.shape[0] * routing_map.shape[1])
         # TE's index maps carry no expert count: the op counts them (max id + 1) itself
         return mod.permute_counting_experts(inp, routing_map, probs, num_out_tokens=cap)
-    return mod.permute(inp, routing_map, probs, num_out_tokens=_rows_kept(num_out_tokens, map_type, where, None))
+    cap = _rows_kept(num_out_tokens, map_type, where, None)
+    res = mod.permute(inp, routing_map, probs, num_out_tokens=cap)
+    if cap is not None and routing_map.dtype != torch.bool:
+        _count_other_values(res.row_id_map, routing_map)
+    return res
+
+
+def _count_other_values(rim, routing_map):
+    """An integer mask's values other than 0 and 1, added on the device to the row map's routes
+    without a slot (and dropped): a capped permute reads nothing back, so the check that refuses
+    them without a cap (one host read) cannot run; [N, k] expert ids passed as a mask land here.
+    Through .data: the backward pass saved the row map, and never reads the tallies."""
+    layout = rim.layout
+    words = rim.row_map if torch.compiler.is_compiling() else rim.row_map.data
+    words[layout.route_tallies:layout.end].add_((routing_map.ne(0) & routing_map.ne(1)).sum(dtype=torch.int32))
 
 
 @_te_errors
@@ -232,7 +256,10 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
     dtype = _dtype_axis(inp, "moe_unpermute")
     _check_map_type(map_type)
     sizes = None if torch.compiler.is_compiling() else getattr(row_id_map, "_permgen_sizes", None)
-    if sizes is not None and sizes[0] == map_type:
+    if sizes is not None and sizes[0] != map_type:
+        raise ValueError(f"moe_unpermute: row_id_map comes from a permute with map_type={sizes[0]!r}, but "
+                         f"map_type={map_type!r} was given (is map_type the one given to moe_permute?)")
+    if sizes is not None:
         _, row_map, num_tokens, width, num_experts, pad, routing = sizes
     else:
         row_map, num_tokens, width, num_experts, pad = te_row_id_map_sizes(row_id_map, map_type, "moe_unpermute")
@@ -255,6 +282,20 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
         routing = row_map[:1].expand(num_tokens, width)
     rim = RowIdMap(row_map, routing, num_tokens, width, num_experts, num_rows, mod.VARIANT["name"])
     return mod.unpermute(inp, rim, merging_probs, restore_shape if map_type == "mask" else None)
+
+
+def route_tallies(row_id_map, map_type="mask"):
+    """int32 [2] on the device, a view of the row map this module's permute functions returned:
+    the routes dropped (past num_out_tokens, or without a slot), and of them those without a slot
+    (index ids outside [-1, E); integer mask values other than 0 and 1). Reading it is the sync."""
+    _check_map_type(map_type)
+    sizes = getattr(row_id_map, "_permgen_sizes", None)
+    if sizes is not None and sizes[0] != map_type:
+        raise ValueError(f"route_tallies: row_id_map comes from a permute with map_type={sizes[0]!r}, but "
+                         f"map_type={map_type!r} was given")
+    row_map, num_tokens, width, num_experts, _ = te_row_id_map_sizes(row_id_map, map_type, "route_tallies")
+    layout = RowMapLayout(map_type == "mask", num_tokens, width, num_experts)
+    return row_map[layout.route_tallies:layout.end]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,4 +323,5 @@ def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index):
 
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
-           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "check_routes_on_device"]
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "check_routes_on_device",
+           "route_tallies"]

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from triton import knobs
+from triton.language.core import TRITON_MAX_TENSOR_NUMEL
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -39,6 +40,9 @@ _TAIL_ROWS_PER_PROGRAM = 64  # rows past the last segment are zeroed by up to M 
 _CHUNK_TABLE_BLOCK = 1024  # chunks per step of the chunk table's one program
 _CHUNK_TILE_BYTES = 4096  # the chunk sort copies 4 KiB of a row (or whole rows, if shorter) per step
 _GEOMETRIES = 1024  # launch geometries kept per kernel family (lru_cache)
+# The routing plan holds a bin per expert, and two more, in one tensor (index routing's BINS, mask
+# routing's E_POW2): a Triton tensor has at most TRITON_MAX_TENSOR_NUMEL (2**20) elements.
+MAX_EXPERTS = TRITON_MAX_TENSOR_NUMEL - 2
 
 
 def _pow2(n):
@@ -318,6 +322,8 @@ class TritonBackend:
         """permute's launches for one checked plan, worked out once: the call then allocates and launches."""
         num_tokens, hidden, num_experts, width, cap = (plan.num_tokens, plan.hidden, plan.num_experts, plan.width,
                                                        plan.num_out_tokens)
+        if num_experts > MAX_EXPERTS:  # (the NKI target's refusal, in the same words)
+            raise ValueError(f"{self.name}: the triton target supports at most {MAX_EXPERTS} experts, got {num_experts}")
         route, scratch_words, layout = self._routing_launch(num_tokens, width, num_experts, cap, routing_dtype)
         rows = None if cap is None else self._rows_launch(num_tokens, hidden, width, num_experts, cap, True,
                                                           scale_columns_in, routing_dtype, probs_dtype)

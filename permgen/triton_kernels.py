@@ -43,7 +43,8 @@ def live_routes(row_map_ptr, token, num_tokens, K: tl.constexpr, MASK: tl.conste
     (index routing's ids outside [0, E) route nowhere)."""
     if MASK:
         _, route_counts_ptr = token_routes(row_map_ptr, num_tokens, K)
-        count = tl.load(route_counts_ptr + token)
+        # At most K: a forged map's count must not make a loop over the slots longer than a real one's.
+        count = tl.minimum(tl.load(route_counts_ptr + token), K)
     else:
         count = K
     return count
@@ -322,13 +323,14 @@ def zero_rows_of_program(
         if program < E * PAD_GROUPS:
             # Pad rows of one expert: [start + routed rows, next segment start), split in groups.
             expert = program // PAD_GROUPS
-            pad_begin = tl.load(segment_offsets_ptr + expert) + tl.load(segment_counts_ptr + expert)
+            # Clamped at row 0: a forged map's offsets must not send a write before the rows.
+            pad_begin = tl.maximum(tl.load(segment_offsets_ptr + expert) + tl.load(segment_counts_ptr + expert), 0)
             pad_end = tl.load(segment_offsets_ptr + expert + 1)
             begin = pad_begin + (program % PAD_GROUPS) * PAD_ROWS_PER_PROGRAM
             return begin, tl.minimum(tl.minimum(begin + PAD_ROWS_PER_PROGRAM, pad_end), num_rows), 1
         program -= E * PAD_GROUPS
     # Rows past the last segment, strided over the tail programs.
-    return tl.load(segment_offsets_ptr + E) + program, num_rows, tail_programs
+    return tl.maximum(tl.load(segment_offsets_ptr + E), 0) + program, num_rows, tail_programs
 
 
 @triton.jit
@@ -421,7 +423,8 @@ def _sort_chunk_rows(tokens_ptr, starts_ptr, sources_ptr, out_ptr, num_rows, hid
     source = tl.load(sources_ptr + low) + rows - tl.load(starts_ptr + low)
     stored = rows < num_rows
     # Sizes summing past N would point outside the input: such rows read nothing either.
-    moved = stored & (low < num_chunks) & (source < num_rows)
+    # (Device sizes are unchecked: int32 starts that wrapped can point before the input, too.)
+    moved = stored & (low < num_chunks) & (source >= 0) & (source < num_rows)
     src = tokens_ptr + source.to(tl.int64)[:, None] * hidden  # rows x H can pass 2^31
     dst = out_ptr + rows.to(tl.int64)[:, None] * hidden
     cols = tl.arange(0, BLOCK_H)[None, :]
@@ -520,7 +523,9 @@ def route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows,
         kept = (dst >= 0) & (dst < num_rows)
         if live is not None:
             kept = kept & (slot < live)  # past the first tile, slots after the count were never written
-        prob_offset = token.to(tl.int64) * E + expert
+        # Clamped into the token's probs row (a forged map's expert must not reach another's); only
+        # the prob loads and stores wait for it, not the rows.
+        prob_offset = token.to(tl.int64) * E + tl.minimum(tl.maximum(expert, 0), E - 1)
     else:
         dst = tl.load(row_map_ptr + route, mask=slot < K, other=-1)
         kept = (dst >= 0) & (dst < num_rows)

@@ -708,3 +708,17 @@ def test_signatures_are_the_documented_ones(target):
     unpermute = inspect.signature(mod.unpermute).parameters
     assert list(unpermute) == UNPERMUTE_PARAMETERS
     assert all(unpermute[p].default is None for p in UNPERMUTE_PARAMETERS[2:])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_too_many_experts_refused_in_the_same_words(target, g):
+    """More experts than a target's kernels take: each target refuses with its limit, in the same
+    words (the Triton target's had been an internal interpreter error)."""
+    mod = load(target, INDEX)
+    tokens, routing, probs, _, _ = inputs(target, INDEX, g)
+    import permgen.nki_host
+    import permgen.triton_host
+    limit = {"triton": permgen.triton_host.MAX_EXPERTS, "nki": permgen.nki_host.MAX_EXPERTS}[target]
+    with pytest.raises(ValueError, match=rf"^{INDEX}: the {target} target supports at most {limit} experts, "
+                                         rf"got {2**20}$"):
+        mod.permute(tokens, routing, probs, num_experts=2**20, num_out_tokens=N * K)

@@ -149,3 +149,39 @@ def test_sort_chunks_unchecked_sizes(target, sizes, request, poisoned_empty):
     want_probs = torch.where(moved, probs.cpu()[source.clamp(max=num_rows - 1)], 0)
     assert_bits_equal(out.cpu(), want, "rows")
     assert_bits_equal(out_probs.cpu(), want_probs, "probs")
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+def test_sort_chunks_sizes_that_wrap_int64_are_refused(target):
+    """CPU split sizes are checked as Python ints: sizes near 2**62 whose int64 sum wraps to N are refused."""
+    mod = load(target, "bf16_index")
+    tokens = make_tokens(mod.VARIANT, 4, 16, torch.Generator().manual_seed(0)).to(device_of(target))
+    sizes = torch.tensor([2**62, 2**62, 2**62, 2**62 + 4])  # sums to 4 modulo 2**64
+    assert int(sizes.sum()) == 4
+    with pytest.raises(ValueError, match="split_sizes must be non-negative and sum to the 4 rows"):
+        mod.sort_chunks(tokens, sizes, torch.arange(4))
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+@pytest.mark.parametrize("sizes", [[2**62, 2**62, 2**62, 2**62 + 5], [2**31 - 1, 2**31 - 1, 3, 2], [2**62 + 3, 2]],
+                         ids=["int64-wrap", "int32-wrap", "truncated"])
+def test_sort_chunks_wrapping_device_sizes_stay_in_bounds(target, sizes, request, poisoned_empty):
+    """Sizes on the device are not checked, and may wrap in any width: every output row is then a
+    row of the input or zeros (nothing is read or written outside the tensors), on both targets."""
+    mod = load(target, "probs_bf16_index")
+    g = generator_for(request)
+    device = device_of(target)
+    num_rows = 5
+    tokens = make_tokens(mod.VARIANT, num_rows, 16, g).to(device)
+    probs = torch.rand(num_rows, generator=g).to(device) + 1
+    backend = mod._ops.chunk_sort.kernels
+    order = torch.arange(len(sizes)).flip(0)
+    table = backend.chunk_table(torch.tensor(sizes).to(device), order.to(device))
+    out, out_probs = backend.sort_chunks(table, False, tokens, probs)
+    for inverse in (False, True):  # and the backward pass's copy, by the table's other half
+        out, out_probs = backend.sort_chunks(table, inverse, tokens, probs)
+        assert out.shape == tokens.shape and out_probs.shape == probs.shape
+        rows, bits = out.cpu().view(torch.int16), tokens.cpu().view(torch.int16)
+        for r in range(num_rows):
+            is_input_row = (rows[r] == bits).all(1).any() and bool((probs.cpu() == out_probs.cpu()[r]).any())
+            assert is_input_row or (bool((rows[r] == 0).all()) and float(out_probs[r]) == 0), (inverse, r)

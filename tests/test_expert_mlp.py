@@ -234,3 +234,15 @@ def test_weights_in_either_layout(save_memory, request):
     assert not w1_t.is_contiguous()
     column_major = mod.expert_mlp(tokens, routing, probs, w1_t, w2_t, num_experts=case.E, save_memory=save_memory)
     close(column_major, row_major, "column-major weights")
+
+
+@pytest.mark.parametrize("hidden, width, words", [(12, 8, "H"), (16, 6, "F")])
+def test_expert_mlp_sizes_not_multiples_of_8_are_refused_up_front(hidden, width, words, request):
+    """torch._grouped_mm takes rows of 16-byte multiples: H and F of bf16 must be multiples of 8,
+    refused with the argument named before anything runs (not torch's 'strides should be multiple of 16 bytes')."""
+    name = "probs_bf16_index"
+    _, (tokens, routing, probs, w1, w2) = make_case(name, Case("odd", N=6, H=hidden, E=4, k=2), width,
+                                                   generator_for(request))
+    with pytest.raises(ValueError, match=rf"{name}: {words} .* = {hidden if words == 'H' else width} must be a "
+                                         r"multiple of 8"):
+        load("triton", name).expert_mlp(tokens, routing, probs, w1, w2, num_experts=4)

@@ -308,9 +308,98 @@ def test_bad_arguments(request):
         permgen.moe_unpermute(out, row_id_map, probs, restore_shape=(N + 1, H))
     with pytest.raises(TypeError, match="moe_unpermute: row_id_map must be the int32 tensor"):
         permgen.moe_unpermute(out, row_id_map.float())
-    with pytest.raises(ValueError, match=r"moe_unpermute: row_id_map of a mask map is \[N \+ 2, 2E \+ 1\]"):
+    with pytest.raises(ValueError, match=r"moe_unpermute: map_type=.mask., but row_id_map \[.*\] is not a mask map \[N \+ 2, 2E \+ 1\]"):
         permgen.moe_unpermute(out, row_id_map.reshape(-1))
     index_out, index_map = permgen.moe_permute(tokens, ids, map_type="index")
     assert index_map.shape == (N + 1, N + 2 * (int(ids.max()) + 1) + 3, K)
     with pytest.raises(ValueError, match="is map_type the one given to moe_permute"):
         permgen.moe_unpermute(index_out, index_map)
+
+
+# ---------------------------------------------------------------------------------------------
+# Misuse: a map read as the other map type, [N, k] ids passed as a mask, forged maps, no variant
+# ---------------------------------------------------------------------------------------------
+
+def _bare(t):
+    """The same view as a new tensor object: what a caller that rebuilt the map passes (no carried sizes)."""
+    return t.as_strided(t.shape, t.stride())
+
+
+@pytest.mark.parametrize("num_tokens", [127, 126])
+def test_unpermute_refuses_an_index_map_read_as_a_mask_map(num_tokens, request):
+    """An index map given with map_type left at 'mask' is refused naming map_type: from the map_type
+    the map carries, and for a bare tensor from its shape, where that can tell (N + 1 not a power of two)."""
+    g = generator_for(request)
+    tokens = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = expert_ids(num_tokens, 4, 3, g).to(DEVICE)
+    out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
+    with pytest.raises(ValueError, match="moe_unpermute: row_id_map comes from a permute with map_type='index', "
+                                         "but map_type='mask' was given"):
+        permgen.moe_unpermute(out, row_id_map)
+    if num_tokens == 126:
+        with pytest.raises(ValueError, match=r"moe_unpermute: map_type='mask', but row_id_map \[127, 137, 3\] is not "
+                                             "a mask map"):
+            permgen.moe_unpermute(out, _bare(row_id_map))
+    mask_out, mask_map = permgen.moe_permute(tokens, routing_from_ids({"routing": "mask"}, ids.cpu(), 4).to(DEVICE))
+    with pytest.raises(ValueError, match="map_type='mask', but map_type='index' was given"):
+        permgen.moe_unpermute(mask_out, mask_map, map_type="index")
+    with pytest.raises(ValueError, match=r"map_type='index', but row_id_map .* is not an index map"):
+        permgen.moe_unpermute(mask_out, _bare(mask_map), map_type="index")
+    assert permgen.moe_unpermute(out, _bare(row_id_map), map_type="index").shape == (num_tokens * 3, H)
+
+
+def test_expert_ids_passed_as_a_capped_mask_are_counted_and_asserted(request):
+    """[N, k] expert ids with map_type left at 'mask' and num_out_tokens: no host read, so they are
+    counted on the device as routes without a slot (te.route_tallies), and
+    check_routes_on_device(True) fails the call; a 0 / 1 integer mask counts nothing."""
+    g = generator_for(request)
+    tokens, ids, _ = inputs(g, "bf16")
+    _, row_id_map = permgen.moe_permute(tokens, ids.long(), num_out_tokens=N * K)
+    other = int(((ids != 0) & (ids != 1)).sum())
+    assert other > 0 and permgen.te.route_tallies(row_id_map).tolist() == [other, other]
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE).int()
+    _, mask_map = permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
+    assert permgen.te.route_tallies(mask_map).tolist() == [0, 0]
+    permgen.te.check_routes_on_device(True)
+    try:
+        with pytest.raises(RuntimeError, match="values other than 0 and 1"):
+            permgen.moe_permute(tokens, ids.long(), num_out_tokens=N * K)
+        permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
+    finally:
+        permgen.te.check_routes_on_device(False)
+    leafed = tokens.float().requires_grad_()  # the count leaves the saved row map usable by backward
+    out, row_id_map = permgen.moe_permute(leafed.to(torch.bfloat16), ids.long(), num_out_tokens=N * K)
+    out.float().sum().backward()
+    assert leafed.grad is not None
+
+
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_forged_row_map_costs_no_more_than_a_real_one(map_type, request):
+    """A row map whose count words are forged (10**6 routes, offsets far outside the rows) runs no
+    longer than a real map of its shape, and reads and writes nothing outside the tensors."""
+    import time
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, "bf16")
+    routing = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE) if map_type == "mask" else ids
+    out, row_id_map = permgen.moe_permute(tokens, routing, map_type=map_type)
+    forged = row_id_map.clone()
+    flat = forged.view(-1) if map_type == "mask" else forged[0].view(-1)
+    flat[N * E:] = 10**6  # mask maps: experts, route counts and the segment table; index maps: all past the dst rows
+    if map_type == "index":
+        flat[N * K:] = -10**6
+    start = time.monotonic()
+    result = permgen.moe_unpermute(out.clone().requires_grad_(), forged,
+                                   probs if map_type == "mask" else probs[:, :K].contiguous(), map_type=map_type)
+    result.float().sum().backward()
+    assert time.monotonic() - start < 30
+    assert result.shape == (N, H)
+
+
+def test_lookup_error_names_the_te_function(request):
+    """No generated variant: the LookupError names the TE function called, and keeps the [[variant]] to paste."""
+    align = next(a for a in (2, 4, 8, 16, 32, 64, 128, 256) if not generated("bf16", "mask", True, a))
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, "bf16")
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    with pytest.raises(LookupError, match=rf'(?s)^moe_permute_and_pad_with_probs: .*\[\[variant\]\].*pad = {align}'):
+        permgen.moe_permute_and_pad_with_probs(tokens, probs, mask, mask.sum(0), align)
