@@ -1,6 +1,5 @@
-# permgen: `make generate` regenerates generated/ from variants.toml; `make test` runs the CPU suite.
-# Both create .venv on first use. On a GPU machine with torch + triton installed, run
-# `make test-gpu` / `make bench` with the system python instead.
+# permgen: `make help` lists the targets. The CPU targets create .venv on first use; the GPU targets
+# (test-gpu, bench*) use the system python's torch and triton.
 
 PYTHON_SYS ?= python3
 VENV := .venv
@@ -10,7 +9,28 @@ PY := $(VENV)/bin/python
 # `make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: generate check list test test-gpu bench bench-ep bench-megatron clean gpu-ready
+.PHONY: help generate check list vendor test test-cpu-torch wheel test-gpu bench bench-ep bench-megatron \
+	nki-cost nki-a2av-cost clean gpu-ready
+
+# The variant `make vendor` writes, and where.
+VARIANT ?=
+OUT ?= $(VARIANT).py
+
+help:
+	@echo "make generate                 regenerate generated/ from variants.toml (creates .venv with Jinja2)"
+	@echo "make check                    name the files of generated/ that are out of date"
+	@echo "make list                     list the variants of variants.toml"
+	@echo "make vendor VARIANT=<name>    write one self-contained Triton file, <name>.py (OUT=FILE to rename)"
+	@echo "make test                     the CPU suite, as CI runs it (installs torch==2.13.0 from PyPI: CUDA, GBs)"
+	@echo "make test-cpu-torch           the same, installing the CPU-only torch build instead"
+	@echo "make wheel                    build dist/permgen-*.whl from a clean build/"
+	@echo "make clean                    remove .venv, build/, dist/, caches"
+	@echo "make test-gpu                 the suite on a CUDA GPU, with the system python"
+	@echo "make bench                    the single-GPU benchmarks and megatron's dispatcher (CUDA GPU)"
+	@echo "make bench-ep                 expert-parallel dispatch / combine, one rank per GPU (CUDA GPU)"
+	@echo "make bench-megatron           megatron-core's dispatcher step, fused against unfused (CUDA GPU)"
+	@echo "make nki-cost                 the NKI kernels' instruction and DMA counts, in the CPU emulator (LNC=2)"
+	@echo "make nki-a2av-cost            the same for the NKI expert-parallel kernels"
 
 $(VENV)/.generator-deps:
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -34,9 +54,24 @@ check: $(VENV)/.generator-deps
 list: $(VENV)/.generator-deps
 	$(PY) -m generator list
 
+vendor: $(VENV)/.generator-deps
+	@test -n "$(VARIANT)" || { echo "error: name the variant: make vendor VARIANT=<name> (make list shows them)" >&2; exit 2; }
+	$(PY) -m generator vendor $(VARIANT) -o $(OUT)
+
 test: $(VENV)/.test-deps
 	$(PY) -m generator check
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
+
+# The suite needs no GPU: the CPU-only torch is a fraction of the CUDA build's download.
+test-cpu-torch:
+	$(MAKE) test TORCH_SPEC="$(TORCH_SPEC) --index-url https://download.pytorch.org/whl/cpu"
+
+# setuptools copies build/lib into the wheel as it finds it, so a variant removed since the last
+# build would ship again: build from an empty build/.
+wheel: $(VENV)/.generator-deps
+	rm -rf build
+	$(PY) -m pip wheel -q --no-deps -w dist .
+	rm -rf build
 
 # On the GPU machine: the same suite, kernels running natively on the GPU (torch, triton, numpy,
 # ml_dtypes, pytest, hypothesis preinstalled). The checkout is used as it is, not installed:
@@ -66,6 +101,14 @@ bench-megatron: gpu-ready
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON_SYS) -m torch.distributed.run \
 		--nproc-per-node $$($(PYTHON_SYS) -c "import torch; print(torch.cuda.device_count())") \
 		benchmarks/bench_megatron.py --out benchmarks/results
+
+# What the NKI kernels issue (instructions, indirect DMAs, DMA bytes), counted by the CPU emulator:
+# docs/trainium.md's tables. Minutes of CPU each; LNC=1 is faster.
+nki-cost: $(VENV)/.test-deps
+	$(PY) benchmarks/nki_cost.py
+
+nki-a2av-cost: $(VENV)/.test-deps
+	$(PY) benchmarks/nki_a2av_cost.py
 
 # The GPU targets use the system Python's torch and a CUDA GPU: say so before anything runs.
 gpu-ready:

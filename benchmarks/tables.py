@@ -6,7 +6,7 @@
 
 Each table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` in PERFORMANCE.md or
 README.md; everything between the markers is replaced. The sources are benchmarks/results/
-bench.json (make bench), bench_quantize.json (make bench-quantize, part of make bench) and
+bench.json (make bench), bench_quantize.json (part of make bench) and
 bench_ep.json (make bench-ep), bench_layer.json, bench_megatron.json and bench_host.json (part of
 make bench). A table whose results are
 absent renders as nothing. Needs no GPU.

@@ -3,7 +3,8 @@
 The file is the permgen runtime the variant's module uses (the permgen modules it imports, and
 those they import: contract, variant, results, ops, triton_host, ep, triton_kernels ...),
 inlined each after the ones it imports, followed by the variant's generated kernels and binding;
-it imports only torch, triton and the standard library. Imports between the inlined modules are
+it imports only torch, triton and the standard library (on CPU tensors Triton's interpreter also
+imports numpy). Imports between the inlined modules are
 dropped (inside functions too: the names they bind are the file's own), the others gathered at
 the top; a top-level name defined by two parts is an error, so inlining can never silently rebind
 one.

@@ -18,6 +18,10 @@ import sys
 from . import axes, contract
 from .registry import GENERATED, find_variant, get_kernel
 
+# pyproject.toml's version, written here so that importing permgen reads no package metadata
+# (tests/test_package.py keeps the two equal).
+__version__ = "0.1.0"
+
 
 def _serve_checkout_kernels():
     """An installed wheel (or editable install) has permgen.generated; a source checkout used

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -46,6 +47,10 @@ def test_wheel_installs_only_permgen(wheel):
         for target in variant["targets"]:
             assert f"permgen/generated/{target}/{name}.py" in names
     assert "permgen/generated/__init__.py" in names and "permgen/contract.py" in names
+    # Nothing else: a variant removed from variants.toml must not ship from a stale build/.
+    shipped = {n for n in names if re.fullmatch(r"permgen/generated/(triton|nki)/(?!__init__)\w+\.py", n)}
+    expected = {f"permgen/generated/{t}/{name}.py" for name, v in permgen.VARIANTS.items() for t in v["targets"]}
+    assert shipped == expected, f"not in variants.toml: {sorted(shipped - expected)} (a stale build/? make clean)"
     for module in ("__init__", "_core", "_cores", "api", "isa", "language", "collectives"):
         assert f"permgen/nki_emulator/{module}.py" in names
 
@@ -75,7 +80,7 @@ assert Path(nki_emulator.__file__).is_relative_to(site) and sys.modules["nki"]._
 assert not any(Path(p).resolve() == Path({str(ROOT)!r}) for p in sys.path if p)
 torch.testing.assert_close(out.float(), x.float(), rtol=1e-2, atol=0)
 assert x.grad is not None and torch.isfinite(x.grad.float()).all() and x.grad.abs().sum() > 0
-print("ok")
+print("installed ok")
 """
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -83,7 +88,7 @@ print("ok")
     env["PYTHONPATH"] = str(site)
     run = subprocess.run([sys.executable, "-c", readme_cpu_snippet() + checks], capture_output=True, text=True,
                          cwd=work, env=env, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
+    assert run.returncode == 0 and run.stdout.strip().endswith("installed ok"), run.stderr[-4000:]
 
 
 def test_import_permgen_is_light():
@@ -92,3 +97,19 @@ def test_import_permgen_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_version_is_pyproject_version():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        assert permgen.__version__ == tomllib.load(f)["project"]["version"]
+
+
+def test_readme_python_snippets_end_with_a_printed_check():
+    """Each snippet shows its success: it ends by printing a check (before a process group's teardown)."""
+    snippets = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert snippets
+    for snippet in snippets:
+        lines = [line for line in snippet.splitlines() if line.strip() and not line.startswith("#")]
+        if lines[-1] == "dist.destroy_process_group()":
+            lines.pop()
+        assert lines[-1].startswith("print("), snippet
