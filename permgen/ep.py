@@ -63,7 +63,7 @@ import torch.distributed as dist
 from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
                        scale_columns, scale_dtype)
 from .ops import _prefix, _Registered
-from .results import RowIdMap, RowMapLayout, route_words, row_map_words
+from .results import RowIdMap, RowMapLayout, row_map_words
 
 
 @dataclass
@@ -245,7 +245,7 @@ def _send_row_map(row_id_map, slot_of_row, offsets, counts, num_rows):
     moved = lookup[torch.where(live, dst, -1).reshape(-1)].to(torch.int32)
     words = dst.numel()
     table = torch.cat([offsets, counts]).to(torch.int32)
-    rest = row_id_map.row_map[words:route_words(row_id_map.is_mask, row_id_map.num_tokens, row_id_map.width)]
+    rest = row_id_map.row_map[words:row_id_map.layout.segment_offsets]
     row_map = torch.cat([moved, rest, table])
     return RowIdMap(row_map, row_id_map.routing, row_id_map.num_tokens, row_id_map.width, row_id_map.num_experts,
                     num_rows, row_id_map.variant)
@@ -682,7 +682,7 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         # the count exchange sends them as they are.
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=capacity,
                           topk=topk, check_routing=False)
-        start = route_words(ops.variant.mask, plan.num_tokens, plan.width) + num_experts + 1
+        start = RowMapLayout(ops.variant.mask, plan.num_tokens, plan.width, num_experts).segment_counts
         tallies = res.row_id_map.row_map[start:start + num_experts + 2]
         counts_in = torch.empty_like(tallies)
         dist.all_to_all_single(counts_in, tallies, group=group)
@@ -831,7 +831,7 @@ class _EpOps(_Registered):
     def _row_map_words(self, world, num_tokens, width, num_experts):
         if world == 1 and not self.ops.variant.pad:  # permute's own map (see _capacity_plan)
             return row_map_words(self.ops.variant.mask, num_tokens, width, num_experts)
-        return route_words(self.ops.variant.mask, num_tokens, width) + 2 * num_experts + 1  # _send_row_map's
+        return RowMapLayout(self.ops.variant.mask, num_tokens, width, num_experts).route_tallies  # _send_row_map's
 
     # -- dispatch ----------------------------------------------------------------------------------
 

@@ -125,6 +125,10 @@ class ChunkKernels(Protocol):
         """(out, out_probs | None): tokens [N, H] (and probs [N]) sorted by the table's chunks;
         inverse: by the table's other half, which undoes the sort."""
 
+    def gather_rows(self, rows, src) -> torch.Tensor:
+        """out[r] = src[rows[r]] of a 2-D src, zeros where rows[r] < 0. Targets whose expert parallelism
+        runs over torch.distributed (permgen.ep) provide it; the NKI target's runs its own kernels."""
+
 
 def _define_op(qualname, impl, schema):
     return torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
