@@ -225,13 +225,14 @@ class PermuteResult(NamedTuple):
 #     mask maps    [N + 2, 2E + 1]               the row map (W = E), viewed 2-D (RowMapLayout.words)
 #     padded maps  [align_size, N + 2, 2E + 1]   the same, broadcast over a first dimension of
 #                                                align_size (stride 0: no memory), the alignment
-#     index maps   [N + 1, N + 2E + 3, k]        the row map viewed [N + 2E + 3, k], broadcast over
-#                                                a first dimension of N + 1 (stride 0): N
+#     index maps   [N + 1, N + 2E + 3, k, 1]     the row map viewed [N + 2E + 3, k, 1], broadcast over
+#                                                a first dimension of N + 1 (stride 0): N; four
+#                                                dimensions, so that no index map has a mask map's shape
 
 def te_row_id_map(row_id_map: RowIdMap, map_type: str, pad: int) -> torch.Tensor:
     """The row map of a permute as TransformerEngine's row_id_map (the layout above)."""
     if map_type == "index":
-        return row_id_map.row_map.view(-1, row_id_map.width).expand(row_id_map.num_tokens + 1, -1, -1)
+        return row_id_map.row_map.view(-1, row_id_map.width, 1).expand(row_id_map.num_tokens + 1, -1, -1, -1)
     rows = row_id_map.row_map.view(-1, 2 * row_id_map.num_experts + 1)
     return rows.expand(pad, -1, -1) if pad else rows
 
@@ -240,18 +241,17 @@ def te_row_id_map_sizes(row_id_map, map_type: str, where: str):
     """(row map [words], N, W, E, pad) read from a TransformerEngine-style row_id_map's shape.
 
     A shape that is not the map_type's is refused: an index map read as a mask map (or the reverse)
-    would be read at the wrong offsets. A padded mask map's first dim is the alignment (a power of
-    two <= MAX_PAD) and its last is 2E + 1, odd; an index map's middle dim less its first is 2E + 2,
-    even and >= 4. An index map of N = 2^j - 1 tokens with an odd k also has a padded mask map's shape:
-    then the shape alone cannot tell, and the map_type given decides (the maps permgen's functions
-    return carry their map_type: permgen.te checks it before this)."""
+    would be read at the wrong offsets. Mask maps have 2 or 3 dimensions (a padded one's first is the
+    alignment, a power of two <= MAX_PAD; the last is 2E + 1, odd), index maps 4 (the last 1; the
+    second less the first is 2E + 2, even and >= 4): the shape alone tells them apart."""
     if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32:
         raise TypeError(f"{where}: row_id_map must be the int32 tensor returned by permgen's moe_permute functions")
     shape = list(row_id_map.shape)
     if map_type == "index":
-        if row_id_map.dim() != 3 or shape[2] < 1 or (shape[1] - shape[0]) % 2 or shape[1] - shape[0] < 4:
+        if row_id_map.dim() != 4 or shape[3] != 1 or shape[2] < 1 or (shape[1] - shape[0]) % 2 \
+                or shape[1] - shape[0] < 4:
             raise ValueError(f"{where}: map_type='index', but row_id_map {shape} is not an index map "
-                             "[N + 1, N + 2E + 3, k] (is map_type the one given to moe_permute?)")
+                             "[N + 1, N + 2E + 3, k, 1] (is map_type the one given to moe_permute?)")
         num_tokens, width = shape[0] - 1, shape[2]
         num_experts = (shape[1] - num_tokens - 3) // 2
         return row_id_map[0].reshape(-1), num_tokens, width, num_experts, 0

@@ -16,7 +16,7 @@ so that moe_unpermute reads every size it needs from it, whatever arguments it i
     padded maps  [align_size, N + 2, 2E + 1]  the same, broadcast over a first dimension of
                                            align_size (stride 0: no memory), which carries the
                                            alignment to moe_unpermute
-    index maps   [N + 1, N + 2E + 3, k]    the row map viewed [N + 2E + 3, k], broadcast over a
+    index maps   [N + 1, N + 2E + 3, k, 1] the row map viewed [N + 2E + 3, k, 1], broadcast over a
                                            first dimension of N + 1 (stride 0): N without
                                            merging_probs or restore_shape
 Pass it only to this module's moe_unpermute; it is never copied (.contiguous() would materialise

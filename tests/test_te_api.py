@@ -152,7 +152,7 @@ def test_index_map_expert_count_from_the_routing(request):
     out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
     assert_bits_equal(out, tokens[te_index_order(ids, None) // K], "output")
     experts = int(ids.max()) + 1
-    assert row_id_map.shape == (N + 1, N + 2 * experts + 3, K)
+    assert row_id_map.shape == (N + 1, N + 2 * experts + 3, K, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def test_bad_arguments(request):
     with pytest.raises(ValueError, match=r"moe_unpermute: map_type=.mask., but row_id_map \[.*\] is not a mask map \[N \+ 2, 2E \+ 1\]"):
         permgen.moe_unpermute(out, row_id_map.reshape(-1))
     index_out, index_map = permgen.moe_permute(tokens, ids, map_type="index")
-    assert index_map.shape == (N + 1, N + 2 * (int(ids.max()) + 1) + 3, K)
+    assert index_map.shape == (N + 1, N + 2 * (int(ids.max()) + 1) + 3, K, 1)
     with pytest.raises(ValueError, match="is map_type the one given to moe_permute"):
         permgen.moe_unpermute(index_out, index_map)
 
@@ -328,7 +328,7 @@ def _bare(t):
 @pytest.mark.parametrize("num_tokens", [127, 126])
 def test_unpermute_refuses_an_index_map_read_as_a_mask_map(num_tokens, request):
     """An index map given with map_type left at 'mask' is refused naming map_type: from the map_type
-    the map carries, and for a bare tensor from its shape, where that can tell (N + 1 not a power of two)."""
+    the map carries, and for a bare tensor from its shape (four dimensions), whatever N is."""
     g = generator_for(request)
     tokens = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16).to(DEVICE)
     ids = expert_ids(num_tokens, 4, 3, g).to(DEVICE)
@@ -336,10 +336,9 @@ def test_unpermute_refuses_an_index_map_read_as_a_mask_map(num_tokens, request):
     with pytest.raises(ValueError, match="moe_unpermute: row_id_map comes from a permute with map_type='index', "
                                          "but map_type='mask' was given"):
         permgen.moe_unpermute(out, row_id_map)
-    if num_tokens == 126:
-        with pytest.raises(ValueError, match=r"moe_unpermute: map_type='mask', but row_id_map \[127, 137, 3\] is not "
-                                             "a mask map"):
-            permgen.moe_unpermute(out, _bare(row_id_map))
+    with pytest.raises(ValueError, match=rf"moe_unpermute: map_type='mask', but row_id_map \[{num_tokens + 1}, "
+                                         rf"{num_tokens + 11}, 3, 1\] is not a mask map"):
+        permgen.moe_unpermute(out, _bare(row_id_map))
     mask_out, mask_map = permgen.moe_permute(tokens, routing_from_ids({"routing": "mask"}, ids.cpu(), 4).to(DEVICE))
     with pytest.raises(ValueError, match="map_type='mask', but map_type='index' was given"):
         permgen.moe_unpermute(mask_out, mask_map, map_type="index")
