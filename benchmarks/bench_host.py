@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import socket
 import sys
@@ -115,7 +114,6 @@ def calls_to_time(device, shape):
     ids = torch.rand(N, E, device=device, generator=g).topk(k, dim=1).indices
     mask = torch.zeros(N, E, dtype=torch.bool, device=device).scatter_(1, ids, True)
     probs = torch.rand(N, E, device=device, generator=g) * mask
-    probs_k = torch.rand(N, k, device=device, generator=g)
     ids = ids.to(torch.int32)
     permuted = torch.randn(N * k, H, device=device, generator=g).to(torch.bfloat16)
     grad = torch.randn(N, H, device=device, generator=g).to(torch.bfloat16)

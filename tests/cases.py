@@ -11,6 +11,7 @@ import os
 import zlib
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from permgen import axes, contract
@@ -431,3 +432,15 @@ def host_reads(fn) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("called a synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.fixture(autouse=True)
+def nki_generation_of_the_variant(request, monkeypatch):
+    """NKI quantising variants refuse NeuronCore-v3 (no float8_e4m3fn compute on Trn2): they run on
+    Trn3. Autouse in every module that imports it (test_properties, test_adversarial_properties)."""
+    import permgen
+    from test_nki_kernels import generation_for
+
+    name = request.node.callspec.params.get("name") if hasattr(request.node, "callspec") else None
+    with generation_for(permgen.VARIANTS.get(name, {"quantize": "none"}), monkeypatch):
+        yield

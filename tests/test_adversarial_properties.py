@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import permgen
 from cases import (SUM_TOL, assert_bits_equal, combine_dtype, contract, device_of, load, make_scale,
                    make_tokens, needed_rows, random_like, rows_by_column_ref, to_device, variants_for)
+from cases import nki_generation_of_the_variant  # noqa: F401 (an autouse fixture: quantising variants on Trn3)
 from reference import permute_ref, unpermute_ref
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -57,14 +58,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
                                         "ignore:overflow encountered:RuntimeWarning")
 
 
-@pytest.fixture(autouse=True)
-def _generation_of_the_variant(request, monkeypatch):
-    """NKI quantising variants run on Trn3, as in test_properties.py."""
-    from test_nki_kernels import generation_for
-
-    name = request.node.callspec.params.get("name") if hasattr(request.node, "callspec") else None
-    with generation_for(permgen.VARIANTS.get(name, {"quantize": "none"}), monkeypatch):
-        yield
 
 
 @dataclass(frozen=True)

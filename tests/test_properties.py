@@ -24,6 +24,7 @@ import permgen
 from cases import (
     HAS_CUDA,
     NATIVE_EXAMPLES,
+    nki_generation_of_the_variant,  # noqa: F401 (an autouse fixture: quantising variants on Trn3)
     bits,
     check_roundtrip,
     device_of,
@@ -36,14 +37,6 @@ from cases import (
     variants_for,
 )
 
-@pytest.fixture(autouse=True)
-def _generation_of_the_variant(request, monkeypatch):
-    """NKI quantising variants refuse NeuronCore-v3 (no float8_e4m3fn compute on Trn2): they run on Trn3."""
-    from test_nki_kernels import generation_for
-
-    name = request.node.callspec.params.get("name") if hasattr(request.node, "callspec") else None
-    with generation_for(permgen.VARIANTS.get(name, {"quantize": "none"}), monkeypatch):
-        yield
 
 
 @dataclass(frozen=True)
