@@ -46,7 +46,10 @@ from .variant import Variant
 
 NAMESPACE = "permgen"
 _PLANS = 1024  # checked calls kept per variant and per chunk sort (Ops._plan, _passed)
-_TAKEN = set()  # op name prefixes taken in this process
+# Op name prefixes taken in this process, kept on torch's namespace object so that every copy of this
+# runtime shares them (a vendored file inlines its own): two copies never define the same name, nor
+# reuse one whose copy was freed (torch.ops would hand back that op's stale handle).
+_TAKEN = getattr(torch.ops, NAMESPACE).__dict__.setdefault("_permgen_prefixes_taken", set())
 
 
 def _prefix(*parts: str) -> str:
