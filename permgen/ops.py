@@ -156,18 +156,19 @@ def _registered(key: str) -> bool:
 _registered._dynamo_marked_constant = True
 
 
-def _passed(checked: set, key) -> bool:
+def _passed(checked: dict, key) -> bool:
     """Whether a call with this key (what its checks read: shapes, dtypes, devices, contiguity, sizes)
     already passed them, so that a call like one already checked skips them. Never under
     torch.compile, where the checks are traced once per graph."""
     return key is not None and key in checked
 
 
-def _remember(checked: set, key):
+def _remember(checked: dict, key, value=True):
+    """Keep what a call's checks gave (a plan, or that they passed) under its key, at most _PLANS."""
     if key is not None:
         if len(checked) >= _PLANS:
             checked.clear()
-        checked.add(key)
+        checked[key] = value
 
 
 def _eager_apply(function):
@@ -350,7 +351,7 @@ class ChunkSort(_Registered):
         self.kernels = kernels
         self.define = getattr(kernels, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
         self.prob_dtypes = prob_dtypes()
-        self._checked = set()  # calls whose arguments passed the checks (_passed)
+        self._checked = {}  # calls whose arguments passed the checks (_passed)
         self._orders = {}  # id(sorted_idxs) -> (weak reference, version, whether in order): _in_order
 
     def _register(self):
@@ -415,9 +416,7 @@ class ChunkSort(_Registered):
             return False
         order = sorted_idxs.tolist()
         in_order = order == list(range(len(order)))
-        if len(self._orders) >= _PLANS:
-            self._orders.clear()
-        self._orders[id(sorted_idxs)] = (weakref.ref(sorted_idxs), sorted_idxs._version, in_order)
+        _remember(self._orders, id(sorted_idxs), (weakref.ref(sorted_idxs), sorted_idxs._version, in_order))
         return in_order
 
     def sort(self, where, tokens, split_sizes, sorted_idxs, probs=None, token_dtypes=None):
@@ -434,8 +433,9 @@ class ChunkSort(_Registered):
             token_dtypes = (getattr(tokens, "dtype", None),)
         compiling = torch.compiler.is_compiling()  # then the checks run as written, traced once per graph
         try:  # what the checks below read
-            key = None if compiling else (where, token_dtypes, tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
-                   None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()))
+            key = None if compiling else (
+                where, token_dtypes, tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
+                None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()))
         except AttributeError:
             key = None
         if compiling or not _passed(self._checked, key):  # (Dynamo must not read the set: it would guard on it)
@@ -473,7 +473,7 @@ class Ops(_Registered):
         self.name = self.variant.name
         self.define = getattr(backend, "define_op", _define_op)  # the NKI target defines ops through torch-neuronx
         self._plans = {}  # what _plan keeps
-        self._checked = set()  # unpermute calls whose arguments passed the checks (_passed)
+        self._checked = {}  # unpermute calls whose arguments passed the checks (_passed)
         super().__init__(_prefix(backend.target, self.name))
 
     def _register(self):
@@ -727,10 +727,7 @@ class Ops(_Registered):
             plan = check_permute(self.variant, tokens, routing, probs, scale, num_experts, num_out_tokens, topk,
                                  check_routing, from_ids)
             self.backend.check_device(tokens)
-            if key is not None:
-                if len(self._plans) >= _PLANS:
-                    self._plans.clear()
-                self._plans[key] = plan
+            _remember(self._plans, key, plan)
         return plan
 
     def result(self, plan, routing, out: PermuteOutputs) -> PermuteResult:
@@ -749,12 +746,13 @@ class Ops(_Registered):
         """
         compiling = torch.compiler.is_compiling()  # then the checks run as written, traced once per graph
         try:  # what check_unpermute reads
-            key = None if compiling else (type(row_id_map), row_id_map.variant, row_id_map.num_rows, row_id_map.num_tokens,
-                   row_id_map.routing.shape, row_id_map.row_map.device,
-                   permuted.shape, permuted.dtype, permuted.device, permuted.is_contiguous(),
-                   None if merging_probs is None else (merging_probs.shape, merging_probs.dtype, merging_probs.device,
-                                                      merging_probs.is_contiguous()),
-                   None if restore_shape is None else (type(restore_shape), tuple(restore_shape)))
+            key = None if compiling else (
+                type(row_id_map), row_id_map.variant, row_id_map.num_rows, row_id_map.num_tokens,
+                row_id_map.routing.shape, row_id_map.row_map.device,
+                permuted.shape, permuted.dtype, permuted.device, permuted.is_contiguous(),
+                None if merging_probs is None else (merging_probs.shape, merging_probs.dtype, merging_probs.device,
+                                                    merging_probs.is_contiguous()),
+                None if restore_shape is None else (type(restore_shape), tuple(restore_shape)))
         except (AttributeError, TypeError):
             key = None
         if compiling or not _passed(self._checked, key):  # (Dynamo must not read the set: it would guard on it)
