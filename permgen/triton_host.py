@@ -323,7 +323,8 @@ class TritonBackend:
         num_tokens, hidden, num_experts, width, cap = (plan.num_tokens, plan.hidden, plan.num_experts, plan.width,
                                                        plan.num_out_tokens)
         if num_experts > MAX_EXPERTS:  # (the NKI target's refusal, in the same words)
-            raise ValueError(f"{self.name}: the triton target supports at most {MAX_EXPERTS} experts, got {num_experts}")
+            raise ValueError(f"{self.name}: the triton target supports at most {MAX_EXPERTS} experts, "
+                             f"got {num_experts}")
         route, scratch_words, layout = self._routing_launch(num_tokens, width, num_experts, cap, routing_dtype)
         rows = None if cap is None else self._rows_launch(num_tokens, hidden, width, num_experts, cap, True,
                                                           scale_columns_in, routing_dtype, probs_dtype)
@@ -348,7 +349,8 @@ class TritonBackend:
                                         None if scale is None else scale.shape[1])
         device = tokens.device
         index = tokens.get_device()
-        aligned = _aligned(tokens, routing) and (probs is None or _aligned(probs)) and (scale is None or _aligned(scale))
+        aligned = (_aligned(tokens, routing) and (probs is None or _aligned(probs))
+                   and (scale is None or _aligned(scale)))
         row_map = torch.empty(program.words, dtype=torch.int32, device=device)
         tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=device)
         scratch = _routing_scratch(device, program.scratch_words)
