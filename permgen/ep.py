@@ -132,8 +132,12 @@ def _wire(t):
 
 def _exchange_rows(x, out_splits, in_splits, group, rows):
     """all_to_all_single of the rows of x (1-D or 2-D) into `rows` rows; those past the received
-    ones are zeros (the regroup's pad and empty rows)."""
+    ones are zeros (the regroup's pad and empty rows). With one rank the exchange would copy x to
+    itself: x is returned as it is (callers never write to it), or with its zero rows appended."""
     received = sum(out_splits)
+    if len(out_splits) == 1:
+        x = (x[:received] if x.shape[0] > received else x).contiguous()
+        return x if rows == received else torch.cat((x, x.new_zeros((rows - received, *x.shape[1:]))))
     out = got = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     if rows > received:
         got = out[:received]
@@ -345,13 +349,12 @@ def _exchange_counts(counts, group, world, local):
     all-to-all sends each rank its experts' counts and the bad routes. Returns (payload, received
     [W, L + 1]): the payload, what the host reads, is what was sent then what was received (with
     one rank they are the same, so only what was received)."""
-    if world == 1:
-        sent = counts.view(1, -1)
-        payload = received = torch.empty_like(sent)
-    else:
-        payload = counts.new_empty((2, world, local + 1))
-        sent, received = payload
-        torch.cat([counts[:-1].view(world, local), counts[-1:].expand(world, 1)], 1, out=sent)
+    if world == 1:  # what one rank sends itself: no collective
+        payload = received = counts.view(1, -1)
+        return payload, received
+    payload = counts.new_empty((2, world, local + 1))
+    sent, received = payload
+    torch.cat([counts[:-1].view(world, local), counts[-1:].expand(world, 1)], 1, out=sent)
     dist.all_to_all_single(received, sent, group=group)
     return payload, received
 
@@ -679,13 +682,11 @@ def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         # One destination: the per-pair capacity is permute's own row cap (it keeps the first rows
         # in expert order, drops the rest and zeroes the rows it does not fill). The row map's
         # segment counts and route tallies (dropped, of them without a slot) are consecutive words:
-        # the count exchange sends them as they are.
+        # they are what this rank receives from itself (no collective).
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=capacity,
                           topk=topk, check_routing=False)
         start = RowMapLayout(ops.variant.mask, plan.num_tokens, plan.width, num_experts).segment_counts
-        tallies = res.row_id_map.row_map[start:start + num_experts + 2]
-        counts_in = torch.empty_like(tallies)
-        dist.all_to_all_single(counts_in, tallies, group=group)
+        counts_in = res.row_id_map.row_map[start:start + num_experts + 2]
         if check and counts_in[-1:].tolist()[0]:  # check_routing's host read
             _raise_bad_routing(ops, routing, num_experts, plan.width, [1], 0)
         # Routes past the cap: those dropped less those without a slot.
@@ -927,18 +928,24 @@ class _EpOps(_Registered):
         h = self._handle(send_row_map, table, group_name, num_tokens, width, num_experts, capacity,
                          expert_out.shape[1])
         returned = _to_sources(h, expert_out)[0]
-        return self.ops.backend.unpermute(h.send_map, returned, merging_probs), returned
+        out = self.ops.backend.unpermute(h.send_map, returned, merging_probs)
+        if returned is expert_out:  # (one rank) an op's output may not alias its input: see _combine_setup
+            returned = _empty(expert_out, 0, expert_out.shape[1])
+        return out, returned
 
     def _combine_fake(self, expert_out, send_row_map, table, merging_probs, group_name, num_tokens, width,
                       num_experts, capacity):
         _, world, _ = self._sizes(group_name, num_experts, capacity)
         hidden = expert_out.shape[1]
-        return _empty(expert_out, num_tokens, hidden), _empty(expert_out, world * capacity, hidden)
+        returned = 0 if world == 1 and not self.ops.variant.pad else world * capacity  # (see _combine)
+        return _empty(expert_out, num_tokens, hidden), _empty(expert_out, returned, hidden)
 
     def _combine_setup(self, ctx, inputs, output):
         expert_out, send_row_map, table, merging_probs = inputs[:4]
         ctx.merging = merging_probs is not None
-        ctx.save_for_backward(send_row_map, table, output[1], *((merging_probs,) if ctx.merging else ()))
+        # The rows that came back: with one rank, expert_out itself (the op returns no copy of it).
+        returned = output[1] if output[1].shape[0] else expert_out
+        ctx.save_for_backward(send_row_map, table, returned, *((merging_probs,) if ctx.merging else ()))
         ctx.sizes = inputs[4:]
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)

@@ -155,3 +155,39 @@ def test_chunk_sort_in_order_moves_nothing(target, request, monkeypatch):
     order.copy_(torch.tensor([2, 0, 3, 1]))  # in place: a new version of the same tensor
     out, _ = mod.sort_chunks(tokens, split, order, probs)
     assert torch.equal(out.detach().cpu(), sort_chunks_ref(tokens.detach().cpu(), sizes, [2, 0, 3, 1]))
+
+
+def test_one_rank_dispatch_makes_no_collective(request, monkeypatch):
+    """With one rank, dispatch and combine (both modes, forward and backward) start no collective:
+    the rows would only be copied to themselves. They still give permute's rows and unpermute's sums."""
+    tokens, mask, probs, _ = inputs(generator_for(request))
+    mod = permgen.get_kernel("triton", dtype="bf16", routing="mask", probs=True)
+    fresh = not dist.is_initialized()
+    if fresh:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl" if HAS_CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+    group = dist.new_group(ranks=[0])
+    collectives = []
+    for name in ("all_to_all_single", "all_gather", "all_reduce", "broadcast"):
+        monkeypatch.setattr(dist, name, lambda *a, name=name, **k: collectives.append(name))
+    try:
+        want = mod.permute(tokens, mask, probs)
+        want_sum = mod.unpermute(want.tokens * 2, want.row_id_map, probs)
+        for capacity in (None, N * K):
+            t, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+            got = mod.dispatch(t, mask, p, group=group, recv_capacity=capacity)
+            assert torch.equal(got.tokens[:want.tokens.shape[0]].view(torch.int16), want.tokens.view(torch.int16))
+            assert torch.equal(got.probs[:want.probs.shape[0]], want.probs)
+            combined = mod.combine(got.tokens * 2, got.handle, p)
+            assert torch.equal(combined.view(torch.int16), want_sum.view(torch.int16))
+            combined.float().sum().backward()
+            assert t.grad is not None and p.grad is not None
+        assert collectives == [], collectives
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group(group)
+        if fresh:
+            dist.destroy_process_group()
