@@ -111,7 +111,7 @@ def _cores():
 def _my_tiles(num_rows):
     """Starts of the P-row tiles of [0, num_rows) this core handles: tile i on core i mod cores."""
     core, cores = _cores()
-    return nl.static_range(core * P, num_rows, cores * P)
+    return range(core * P, num_rows, cores * P)
 
 
 def _sync(data):
@@ -164,7 +164,9 @@ def _store_elements(dst, rows, hidden):
     scaled = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=scaled, data=rows, op0=nl.multiply, operand0=float(odd))
     elements = nl.ndarray((1, ep), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=elements, data=scaled, op0=nl.left_shift, operand0=shift)
+    shift_by = nl.ndarray((1, 1), dtype=nl.uint32, buffer=nl.sbuf)  # a tile: no page documents a bitvec immediate
+    nisa.memset(shift_by, value=shift)
+    nisa.tensor_scalar(dst=elements, data=scaled, op0=nl.left_shift, operand0=shift_by)
     nisa.dma_copy(dst=dst, src=elements)
 
 
@@ -246,7 +248,7 @@ def _compact(out, slots, slot_rows, starts, counts):
     for r0 in _my_tiles(capacity):
         rows = min(P, capacity - r0)
         source = _slot_rows(r0, rows, starts, counts, slot_rows)
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=out.dtype, buffer=nl.sbuf)
             _zero(moved[0:rows, 0:width])
@@ -264,7 +266,7 @@ def _spread(slots, rows_in, num_rows, slot_rows, starts, counts):
     for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
         target = _slot_rows(r0, rows, starts, counts, slot_rows)
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=rows_in.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=moved[0:rows, 0:width], src=rows_in[r0:r0 + rows, h0:h0 + width])
@@ -296,7 +298,7 @@ def _copy_rows(dst, src):
     num_rows, hidden = src.shape
     for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=src.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=moved[0:rows, 0:width], src=src[r0:r0 + rows, h0:h0 + width])
@@ -310,7 +312,7 @@ def _zero_rows(dst):
     _zero(zeros)
     for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             nisa.dma_copy(dst=dst[r0:r0 + rows, h0:h0 + width], src=zeros[0:rows, 0:width])
 
@@ -368,7 +370,7 @@ def _gather_packed(send, hidden_states, packed_source_indices, num_rows):
         rows = min(P, num_rows - r0)
         source = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=source[0:rows, :], src=packed_source_indices[r0:r0 + rows])
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=hidden_states.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=moved[0:rows, 0:width],
@@ -453,7 +455,7 @@ def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, mer
         rows = min(P, num_rows - r0)
         where = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=where[0:rows, :], src=packed_source_indices[r0:r0 + rows])
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=expert_output.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=moved[0:rows, 0:width], src=back[r0:r0 + rows, h0:h0 + width])
@@ -466,11 +468,11 @@ def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, mer
         rows = min(P, num_tokens - t0)
         probs = nl.ndarray((P, top_k), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=probs[0:rows, :], src=merging_probs[t0:t0 + rows, :])
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             width = min(H_TILE, hidden - h0)
             total = nl.ndarray((P, H_TILE), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(total[0:rows, 0:width], value=0.0)
-            for j in nl.static_range(top_k):
+            for j in range(top_k):
                 # Token t's slot j is routed row t * k + j: rows t0 .. t0+rows-1, a stride of k rows.
                 row = nl.ndarray((P, H_TILE), dtype=expert_output.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=row[0:rows, 0:width],

@@ -13,7 +13,7 @@ shapes a kernel is a static Python int: a kernel compiles once per shape and row
 LNC: permgen.nki_host launches every kernel at the LNC the environment declares (2 by default on
 Trn2 and Trn3). Core 0 does the work; it is not split between the cores. Outputs live in shared HBM,
 so only core 0 writes them (`store`). A kernel whose loops run on the device (mask routing without a
-topk hint: nl.dynamic_range) runs whole on both cores, so that both run the same device loops with
+topk hint: nl.fori_loop) runs whole on both cores, so that both run the same device loops with
 the same bounds: the LNC guide leaves cores whose dynamic control flow differs undefined. Any other
 kernel returns at once on core 1 (`idle`).
 
@@ -195,7 +195,7 @@ def index_token_routes(routing, t0, rows, width, expert_ids):
     onehot = nl.ndarray((P, num_slots * num_experts), dtype=nl.float32, buffer=nl.sbuf)
     counts = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(counts[0:rows, :], value=0.0)
-    for j in nl.static_range(num_slots):
+    for j in range(num_slots):
         slot = onehot[0:rows, j * num_experts:(j + 1) * num_experts]
         nisa.tensor_scalar(dst=slot, data=expert_ids[0:rows, :], op0=nl.equal, operand0=ids_f[0:rows, j:j + 1])
         nisa.tensor_tensor(dst=counts[0:rows, :], data1=counts[0:rows, :], data2=slot, op=nl.add)
@@ -214,7 +214,7 @@ def expert_segments(routing, token_routes, columns, width, pad):
     num_experts = columns.shape[1]
     ones = filled((P, P), 1.0)
     routed = filled((P, num_experts), 0.0)
-    for t0 in nl.static_range(0, num_tokens, P):
+    for t0 in range(0, num_tokens, P):
         rows = min(P, num_tokens - t0)
         counts, _ = token_routes(routing, t0, rows, width, columns)
         tile_total = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.psum)
@@ -223,10 +223,11 @@ def expert_segments(routing, token_routes, columns, width, pad):
 
     seg_rows = routed
     if pad:
-        # (routed + pad - 1) & -pad rounds up to a multiple of the power of two pad, exactly, in int32.
+        # (routed + pad - 1) & -pad rounds up to a multiple of the power of two pad, exactly, in int32. The mask
+        # is an int32 tile: no page documents how a bitvec operator encodes a scalar immediate.
         padded = nl.ndarray((P, num_experts), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=padded, data=routed, op0=nl.add, operand0=float(pad - 1))
-        nisa.tensor_scalar(dst=padded, data=padded, op0=nl.bitwise_and, operand0=-pad)
+        nisa.tensor_scalar(dst=padded, data=padded, op0=nl.bitwise_and, operand0=filled((P, 1), -pad, nl.int32))
         seg_rows = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=seg_rows, src=padded)
     ones_seg = filled((P, num_experts), 1.0)
@@ -280,7 +281,7 @@ def no_token_rows(row_token, out_probs=None):
     no_token = filled((P, 1), -1, nl.int32)
     if out_probs is not None:
         no_prob = filled((P, 1), 0.0, out_probs.dtype)
-    for r0 in nl.static_range(0, out_rows, P):
+    for r0 in range(0, out_rows, P):
         rows = min(P, out_rows - r0)
         nisa.dma_copy(dst=row_token[r0:r0 + rows, :], src=no_token[0:rows, :])
         if out_probs is not None:
@@ -351,7 +352,7 @@ def mask_write_routes(row_map, t0, rows, num_tokens, width, num_rows, kept, posi
     routes (_scatter_route(dst, experts, rows, *scatter_args)). expert_ids1: expert_columns(E) + 1.
 
     With a topk hint (W < E) the tile's W slots are unrolled; without (W = E) it visits only as many slots as
-    its busiest token has routes, in a device loop (nl.dynamic_range)."""
+    its busiest token has routes, in a device loop (nl.fori_loop)."""
     num_experts = kept.shape[1]
     # dest[t, e] = row + 1 of route (t, e) where it is kept and its row is < M, else 0.
     dest = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
@@ -369,9 +370,10 @@ def mask_write_routes(row_map, t0, rows, num_tokens, width, num_rows, kept, posi
           src=route_count_i[0:rows, :])
     experts_offset = experts_at(num_tokens, width)
     if width == num_experts:
-        # slot1 holds slot + 1, carried through SBUF from iteration to iteration.
+        # The loop's state lives in SBUF, as nl.fori_loop requires: slot1 holds slot + 1.
         slot1 = filled((P, 1), 0.0)
-        for j in nl.dynamic_range(_partition_max(route_count, rows)):
+
+        def write_slot(j):
             nisa.tensor_scalar(dst=slot1, data=slot1, op0=nl.add, operand0=1.0)
             dst = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
             experts = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -379,15 +381,17 @@ def mask_write_routes(row_map, t0, rows, num_tokens, width, num_rows, kept, posi
             store(dst=_slot_access(row_map, t0, rows, width, 0, j), src=dst[0:rows, :])
             store(dst=_slot_access(row_map, t0, rows, width, experts_offset, j), src=experts[0:rows, :])
             _scatter_route(dst[0:rows, :], _as_float(experts, rows, 1)[0:rows, :], rows, *scatter_args)
+
+        nl.fori_loop(0, _partition_max(route_count, rows), write_slot)
         return
     dst = nl.ndarray((P, width), dtype=nl.int32, buffer=nl.sbuf)
     experts = nl.ndarray((P, width), dtype=nl.int32, buffer=nl.sbuf)
-    for j in nl.static_range(width):
+    for j in range(width):
         _compact_slot(dst[0:rows, j:j + 1], experts[0:rows, j:j + 1], j, rows, kept, position, dest, expert_ids1)
     store(dst=row_map.ap([[width, rows], [1, width]], offset=t0 * width), src=dst[0:rows, :])
     store(dst=row_map.ap([[width, rows], [1, width]], offset=experts_offset + t0 * width), src=experts[0:rows, :])
     experts_f = _as_float(experts, rows, width)
-    for j in nl.static_range(width):
+    for j in range(width):
         _scatter_route(dst[0:rows, j:j + 1], experts_f[0:rows, j:j + 1], rows, *scatter_args)
 
 
@@ -400,7 +404,7 @@ def index_write_routes(row_map, t0, rows, num_tokens, width, num_rows, counts, o
     earlier = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(earlier[0:rows, :], value=0.0)
     hit = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
-    for j in nl.static_range(width):
+    for j in range(width):
         slot = onehot[0:rows, j * num_experts:(j + 1) * num_experts]
         nisa.tensor_tensor(dst=hit[0:rows, :], data1=first_row[0:rows, :], data2=earlier[0:rows, :], op=nl.add)
         nisa.scalar_tensor_tensor(dst=hit[0:rows, :], data=hit[0:rows, :], op0=nl.add, operand0=1.0,
@@ -414,7 +418,7 @@ def index_write_routes(row_map, t0, rows, num_tokens, width, num_rows, counts, o
     dst = nl.ndarray((P, width), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=dst[0:rows, :], data=dest[0:rows, :], op0=nl.subtract, operand0=1.0)
     store(dst=row_map.ap([[width, rows], [1, width]], offset=t0 * width), src=dst[0:rows, :])
-    for j in nl.static_range(width):
+    for j in range(width):
         _scatter_route(dst[0:rows, j:j + 1], j, rows, *scatter_args)
 
 
@@ -430,7 +434,7 @@ def route_tokens(row_map, row_token, routing, seg_start, width, num_rows, token_
     # next_row[:, e] = row of expert e's next route, carried from tile to tile.
     next_row = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=next_row, src=seg_start)
-    for t0 in nl.static_range(0, num_tokens, P):
+    for t0 in range(0, num_tokens, P):
         rows = min(P, num_tokens - t0)
         counts, routes = token_routes(routing, t0, rows, width, columns)
         first_row = _first_rows(counts, next_row, strictly_before, ones, rows)
@@ -448,7 +452,7 @@ def gather_token_rows(out_tokens, tokens, row_token, quantize_tile=None, out_sca
     quantize_tile(out_tokens, out_scale, moved, has_row, rows, r0, h0, cols), where given, writes each gathered
     tile and its scales (has_row [P, 1]: 0.0 for rows at -1); scale, where given, moves with the rows to out_scale."""
     out_rows, hidden = out_tokens.shape
-    for r0 in nl.static_range(0, out_rows, P):
+    for r0 in range(0, out_rows, P):
         rows = min(P, out_rows - r0)
         source = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=source[0:rows, :], src=row_token[r0:r0 + rows, :])
@@ -456,7 +460,7 @@ def gather_token_rows(out_tokens, tokens, row_token, quantize_tile=None, out_sca
             has_row = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=has_row[0:rows, :], src=source[0:rows, :])
             nisa.tensor_scalar(dst=has_row[0:rows, :], data=has_row[0:rows, :], op0=nl.greater_equal, operand0=0.0)
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             cols = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=tokens.dtype, buffer=nl.sbuf)
             _zero(moved[0:rows, 0:cols])
@@ -516,15 +520,17 @@ def mask_for_each_slot(row_map, t0, rows, num_tokens, width, num_experts, body, 
     experts_offset = experts_at(num_tokens, width)
     if width == num_experts:
         # No topk hint: the row map has a slot per expert, but a token tile visits only as many slots as
-        # its busiest token has routes, in a loop the device runs with that bound (nl.dynamic_range).
-        for j in nl.dynamic_range(_tile_slots(row_map, t0, rows, num_tokens, width)):
+        # its busiest token has routes, in a loop the device runs with that bound (nl.fori_loop).
+        def visit_slot(j):
             dst = _slot_column(row_map, t0, rows, width, 0, j)
             experts = _as_float(_slot_column(row_map, t0, rows, width, experts_offset, j), rows, 1)
             body(dst[0:rows, :], experts[0:rows, :], rows, *args)
+
+        nl.fori_loop(0, _tile_slots(row_map, t0, rows, num_tokens, width), visit_slot)
         return
     dst = _tile_columns(row_map, t0, rows, width, 0)
     experts = _as_float(_tile_columns(row_map, t0, rows, width, experts_offset), rows, width)
-    for j in nl.static_range(width):
+    for j in range(width):
         body(dst[0:rows, j:j + 1], experts[0:rows, j:j + 1], rows, *args)
 
 
@@ -532,7 +538,7 @@ def index_for_each_slot(row_map, t0, rows, num_tokens, width, num_experts, body,
     """Call body(dst, j, rows, *args) for every route slot j of tokens t0 .. t0+rows-1 (index routing):
     dst is the slot's rows ([rows, 1] int32, -1 where the route lands nowhere)."""
     dst = _tile_columns(row_map, t0, rows, width, 0)
-    for j in nl.static_range(width):
+    for j in range(width):
         body(dst[0:rows, j:j + 1], j, rows, *args)
 
 
@@ -607,7 +613,7 @@ def _add_route_rows(dst, slot, rows, rows_in, totals, probs_f=None, slot_prob=No
     hidden = rows_in.shape[1]
     # A slot with no kept route reads a zero row: its prob is selected away, not multiplied by that zero.
     weight = None if probs_f is None else _kept_only(slot_prob(probs_f, slot, rows, expert_ids), dst, rows)
-    for c in nl.static_range(len(totals)):
+    for c in range(len(totals)):
         h0 = c * H_TILE
         cols = min(H_TILE, hidden - h0)
         total = totals[c]
@@ -631,17 +637,17 @@ def gather_sum(out, rows_in, row_map, num_tokens, width, num_experts, for_each_s
     with expert_ids), accumulated in fp32 and written in out's dtype."""
     hidden = rows_in.shape[1]
     blocks = -(-hidden // H_TILE)
-    for t0 in nl.static_range(0, num_tokens, P):
+    for t0 in range(0, num_tokens, P):
         rows = min(P, num_tokens - t0)
         totals = []
-        for c in nl.static_range(blocks):
+        for c in range(blocks):
             total = nl.ndarray((P, H_TILE), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(total[0:rows, :], value=0.0)
             totals.append(total)
         probs_f = None if probs is None else load_probs(probs, t0, rows)
         for_each_slot(row_map, t0, rows, num_tokens, width, num_experts, _add_route_rows, rows_in, totals, probs_f,
                       slot_prob, expert_ids)
-        for c in nl.static_range(blocks):
+        for c in range(blocks):
             h0 = c * H_TILE
             cols = min(H_TILE, hidden - h0)
             result = nl.ndarray((P, H_TILE), dtype=out.dtype, buffer=nl.sbuf)
@@ -666,7 +672,7 @@ def gather_prob_grads(grad_probs, grad_permuted_probs, row_map, num_tokens, widt
     """grad_probs[t, route's column] = grad_permuted_probs[route's row], zero where the route landed nowhere
     (store_slot_value: the routing kind's, with expert_ids)."""
     num_cols = grad_probs.shape[1]
-    for t0 in nl.static_range(0, num_tokens, P):
+    for t0 in range(0, num_tokens, P):
         rows = min(P, num_tokens - t0)
         grads = nl.ndarray((P, num_cols), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(grads[0:rows, :], value=0.0)
@@ -686,9 +692,9 @@ def _zero_rows(dst):
     num_rows, hidden = dst.shape
     zeros = nl.ndarray((P, H_TILE), dtype=dst.dtype, buffer=nl.sbuf)
     _zero(zeros)
-    for r0 in nl.static_range(0, num_rows, P):
+    for r0 in range(0, num_rows, P):
         rows = min(P, num_rows - r0)
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             cols = min(H_TILE, hidden - h0)
             store(dst=dst[r0:r0 + rows, h0:h0 + cols], src=zeros[0:rows, 0:cols])
 
@@ -697,7 +703,7 @@ def _load_grad_blocks(grad_out, t0, rows):
     """grad_out rows t0 .. t0+rows-1 as ([P, H_TILE] tiles in its dtype, the same in fp32), one per column block."""
     hidden = grad_out.shape[1]
     blocks, blocks_f = [], []
-    for h0 in nl.static_range(0, hidden, H_TILE):
+    for h0 in range(0, hidden, H_TILE):
         cols = min(H_TILE, hidden - h0)
         grad = nl.ndarray((P, H_TILE), dtype=grad_out.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=grad[0:rows, 0:cols], src=grad_out[t0:t0 + rows, h0:h0 + cols])
@@ -711,7 +717,7 @@ def _load_grad_blocks(grad_out, t0, rows):
 def _scatter_route_rows(dst, slot, rows, grad_permuted, blocks):
     """grad_permuted[route's row] = the token's gradient rows (lanes at -1 skipped)."""
     hidden = grad_permuted.shape[1]
-    for c in nl.static_range(len(blocks)):
+    for c in range(len(blocks)):
         h0 = c * H_TILE
         cols = min(H_TILE, hidden - h0)
         store(dst=grad_permuted.ap([[hidden, rows], [1, cols]], offset=h0, vector_offset=dst, indirect_dim=0),
@@ -722,7 +728,7 @@ def scatter_rows(grad_permuted, grad_out, row_map, num_tokens, width, num_expert
     """grad_permuted[r] = grad_out[t] for every row r of a route of token t (for_each_slot: the routing kind's);
     rows no route lands on (pad rows, rows past the routes) get zeros: everything is zeroed first."""
     _zero_rows(grad_permuted)
-    for t0 in nl.static_range(0, num_tokens, P):
+    for t0 in range(0, num_tokens, P):
         rows = min(P, num_tokens - t0)
         blocks, _ = _load_grad_blocks(grad_out, t0, rows)
         for_each_slot(row_map, t0, rows, num_tokens, width, num_experts, _scatter_route_rows, grad_permuted, blocks)
@@ -736,7 +742,7 @@ def _route_grads(dst, slot, rows, grad_permuted, permuted, blocks_f, probs_f, do
     weight = slot_prob(probs_f, slot, rows, expert_ids)
     dot = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dot[0:rows, :], value=0.0)
-    for c in nl.static_range(len(blocks_f)):
+    for c in range(len(blocks_f)):
         h0 = c * H_TILE
         cols = min(H_TILE, hidden - h0)
         grad_f = blocks_f[c]
@@ -766,7 +772,7 @@ def scatter_route_grads(grad_permuted, grad_probs, grad_out, permuted, merging_p
     <permuted row, grad_out[t]> in fp32. for_each_slot, slot_prob, store_slot_value: the routing kind's."""
     num_cols = merging_probs.shape[1]
     _zero_rows(grad_permuted)
-    for t0 in nl.static_range(0, num_tokens, P):
+    for t0 in range(0, num_tokens, P):
         rows = min(P, num_tokens - t0)
         probs_f = load_probs(merging_probs, t0, rows)
         _, blocks_f = _load_grad_blocks(grad_out, t0, rows)
@@ -789,11 +795,11 @@ def scatter_route_grads(grad_permuted, grad_probs, grad_out, permuted, merging_p
 def gather_rows(out, tokens, rows, out_probs=None, probs=None):
     """out[r] = tokens[rows[r]] (and out_probs[r] = probs[rows[r]]): rows [N, 1] int32, every one in range."""
     num_rows, hidden = tokens.shape
-    for r0 in nl.static_range(0, num_rows, P):
+    for r0 in range(0, num_rows, P):
         count = min(P, num_rows - r0)
         source = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=source[0:count, :], src=rows[r0:r0 + count, :])
-        for h0 in nl.static_range(0, hidden, H_TILE):
+        for h0 in range(0, hidden, H_TILE):
             cols = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=tokens.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=moved[0:count, 0:cols],

@@ -255,7 +255,7 @@ class Cost:
     instructions: int = 0  # every nki.isa / nki.collectives call that is an instruction
     indirect_dmas: int = 0  # dma_copy calls with a vector_offset on one side
     dma_bytes: int = 0  # bytes moved by dma_copy
-    dynamic_iterations: int = 0  # iterations of nl.dynamic_range loops
+    dynamic_iterations: int = 0  # iterations of device loops (nl.fori_loop, nl.while_loop; nl.dynamic_range to 2.32)
 
 
 def begin_cost(kernel: str) -> Cost:
@@ -276,10 +276,16 @@ def current_cost() -> Cost:
 
 
 def count_instruction(indirect: bool = False, dma_bytes: int = 0) -> None:
+    _local.issued = issued_here() + 1
     cost = current_cost()
     cost.instructions += 1
     cost.indirect_dmas += int(indirect)
     cost.dma_bytes += int(dma_bytes)
+
+
+def issued_here() -> int:
+    """Instructions this thread (one core of one rank) has issued: a compiled loop compares its iterations by it."""
+    return getattr(_local, "issued", 0)
 
 
 def recorders() -> list:
@@ -291,7 +297,7 @@ def recorders() -> list:
 
 # ---------------------------------------------------------------------------------------------
 # Virtual registers: scalars held by the engine sequencers (nisa.register_alloc / register_load),
-# used as dynamic loop bounds (nl.dynamic_range) and dynamic offsets (.ap(scalar_offset=...)).
+# used as device loop bounds (nl.fori_loop, nl.while_loop) and dynamic offsets (.ap(scalar_offset=...)).
 class VirtualRegister:
     """A register's value exists only on the device: it bounds dynamic loops and offsets access
     patterns, but a kernel cannot use it as a Python int (nki-dynamic-loops: "You cannot use it in
@@ -307,7 +313,7 @@ class VirtualRegister:
 
     def _host_use(self, *_):
         raise EmulatorError("a VirtualRegister holds a device value: it cannot be used in host-side Python "
-                            "expressions (ints, slices, comparisons, arithmetic); use it as a dynamic_range bound "
+                            "expressions (ints, slices, comparisons, arithmetic); use it as a fori_loop bound "
                             "or an access pattern's scalar_offset")
 
     __index__ = __int__ = __float__ = _host_use
@@ -316,7 +322,12 @@ class VirtualRegister:
     __hash__ = object.__hash__
 
     def __bool__(self) -> bool:
-        # `while reg:` is a documented device loop: it runs while the register is non-zero.
+        # `while reg:` is a device loop up to NKI 0.6 (deprecated there); NKI 0.7 removed it.
+        if platform().sdk_release >= (2, 33):
+            raise EmulatorError("`while <register>:` was removed in NKI 0.7 (Neuron SDK 2.33): \"Kernels that use "
+                                "nl.dynamic_range or while loops with a virtual register must move to "
+                                "nki.language.fori_loop() and nki.language.while_loop()\" (Migrating from NKI 0.6.0 "
+                                "to NKI 0.7.0)")
         return self._read("while <register>") != 0
 
     def __repr__(self) -> str:
@@ -433,10 +444,16 @@ class Tensor:
             raise EmulatorError(".ap(dtype=...) is not emulated; use .view(dtype) on the whole tensor")
         if scalar_offset is not None and vector_offset is not None:
             raise EmulatorError("at most one of scalar_offset and vector_offset can be specified (nki-aps)")
-        if scalar_offset is not None and not isinstance(scalar_offset, VirtualRegister):
-            # nki-aps also allows an SBUF (1, 1) tensor here.
-            raise EmulatorError(f"scalar_offset is emulated as a VirtualRegister (an SBUF (1, 1) tensor is not "
-                                f"emulated), got {type(scalar_offset).__name__}")
+        if isinstance(scalar_offset, Tensor):
+            # nki-aps: a scalar offset is a register or an SBUF (1, 1) tensor. Its value is an integer element
+            # offset; no page says how a float tensor's value would be taken, so an integer one is required.
+            if (scalar_offset.buffer is not SBUF or scalar_offset.shape != (1, 1) or not is_int(scalar_offset._dtype)
+                    or scalar_offset._dtype.itemsize > 4):
+                raise EmulatorError(f"a tensor scalar_offset is an SBUF (1, 1) integer tensor of up to 32 bits (nki-aps), "
+                                    f"got {scalar_offset!r}")
+        elif scalar_offset is not None and not isinstance(scalar_offset, VirtualRegister):
+            raise EmulatorError(f"scalar_offset is a VirtualRegister or an SBUF (1, 1) tensor (nki-aps), got "
+                                f"{type(scalar_offset).__name__}")
         return AccessPattern(self, [list(map(int, p)) for p in pattern], 0 if offset is None else int(offset),
                              vector_offset, int(indirect_dim), scalar_offset)
 
@@ -560,12 +577,21 @@ class AccessPattern:
     def buffer(self) -> Buffer:
         return self._tensor.buffer
 
+    def _scalar_value(self) -> int:
+        offset = self._scalar_offset
+        if isinstance(offset, VirtualRegister):
+            return offset._read("scalar_offset")
+        value = offset._array.reshape(-1)[0]
+        if value == poison((1,), offset._dtype)[0]:
+            raise EmulatorError("scalar_offset reads an SBUF (1, 1) tensor that was never written")
+        return int(value)
+
     def _resolve(self):
         """(flat storage, addresses[shape], lanes in bounds along pattern dimension 0 or None)."""
         storage = self._tensor._array.reshape(-1)
         start = self.offset
         if self._scalar_offset is not None:
-            start += self._scalar_offset._read("scalar_offset") * math.prod(self._tensor.shape[self._indirect_dim + 1:])
+            start += self._scalar_value() * math.prod(self._tensor.shape[self._indirect_dim + 1:])
         addresses = np.full(self.shape, start, dtype=np.int64)
         valid = None
         for d, (step, count) in enumerate(self._pattern):

@@ -3,7 +3,9 @@
 
 A documented name it does not emulate, and any name NKI does not document, raise `NotEmulated`
 (an EmulatorError and an AttributeError, so `from nki.language import x` fails with it as well).
-tests/test_nki_surface.py checks these modules against the documented API (NKI 0.6 stubs).
+Names that one NKI release added or removed (BY_RELEASE) follow the Platform's SDK release: at SDK 2.33 (NKI
+0.7, the default) `nl.dynamic_range` is refused with the migration guide's words. tests/test_nki_surface.py
+checks these modules against the documented API of each release (tests/nki_api.json).
 
     from permgen.nki_emulator.api import language as nl, isa as nisa, collectives as ncc
 """
@@ -27,7 +29,7 @@ _OPERATORS = ("add", "subtract", "multiply", "maximum", "minimum", "equal", "not
 EMULATED = {
     "nki.language": _DTYPES + _OPERATORS + (
         "sbuf", "psum", "hbm", "private_hbm", "shared_hbm", "tile_size", "NkiTensor", "ndarray",
-        "affine_range", "sequential_range", "static_range", "dynamic_range",
+        "affine_range", "sequential_range", "static_range", "fori_loop", "while_loop",
         "program_id", "num_programs", "program_ndim"),
     "nki.isa": (
         "oob_mode", "dge_mode", "engine", "nc_version", "get_nc_version", "get_nc_sub_version",
@@ -36,6 +38,11 @@ EMULATED = {
     "nki.isa.constants": ("oob_mode", "dge_mode"),
     "nki.collectives": ("ReplicaGroup", "all_to_all", "all_to_all_v", "rank_id"),
     "nki.typing": (),
+}
+# Names of one NKI release range only: name -> (first SDK release, first SDK release without it, why not).
+# The Platform's sdk (nki_emulator.Platform, 2.33 by default) picks the surface a kernel sees.
+BY_RELEASE = {
+    "nki.language": {"dynamic_range": ((2, 29), (2, 33), _language.REMOVED_IN_0_7)},
 }
 _SOURCES = {"nki.language": _language, "nki.isa": _isa, "nki.isa.constants": _isa, "nki.collectives": _collectives}
 
@@ -48,16 +55,28 @@ def _module(name: str, names, source, submodules=()) -> types.ModuleType:
         setattr(module, n, sub)
     public = set(names) | {n for n, _ in submodules}
 
+    by_release = BY_RELEASE.get(name, {})
+
     def __getattr__(attr):  # noqa: N807  (a module's attribute hook, PEP 562)
         if attr.startswith("__"):
             raise AttributeError(attr)
+        if attr in by_release:
+            if _released(name, attr):
+                return getattr(source, attr)
+            raise NotEmulated(f"{name}.{attr} is not in NKI on Neuron SDK {_core.platform().sdk}: "
+                              f"{by_release[attr][2]}")
         raise NotEmulated(f"{name}.{attr} is not emulated by permgen's NKI emulator (it emulates the documented "
                           f"NKI names its kernels use; a name outside the NKI documentation is not NKI at all)")
 
     module.__getattr__ = __getattr__
-    module.__dir__ = lambda: sorted(public)
+    module.__dir__ = lambda: sorted(public | {n for n in by_release if _released(name, n)})
     module.__nki_emulator__ = True
     return module
+
+
+def _released(module_name: str, attr: str) -> bool:
+    first, gone, _ = BY_RELEASE[module_name][attr]
+    return first <= _core.platform().sdk_release < gone
 
 
 language = _module("nki.language", EMULATED["nki.language"], _language)

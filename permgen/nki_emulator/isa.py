@@ -123,10 +123,15 @@ def _operand(op: Operator, operand, data: Tensor, what: str):
     # Arithmetic operators convert their inputs to fp32 ("Supported Math Operators for NKI ISA",
     # nki/api/nki.api.shared) and their scalar operands "must be float32" (nki.isa.tensor_scalar, 2.32):
     # a Python int is taken as that float32, as nki-library's kernels pass them (`op0=nl.add, operand0=1`
-    # in moe_cte/bwmm_shard_on_I.py). Bitvec operators take integer scalars as bit patterns.
+    # in moe_cte/bwmm_shard_on_I.py).
     if op.kind == "arith":
         return np.float32(operand)
-    return operand
+    # A bitvec operator treats its inputs as bit patterns, but a scalar operand is typed `float` (tensor_scalar,
+    # 2.33: "operand0: float | NkiTensor") and must be float32 (2.32): which bits an immediate holds is not
+    # documented, so only an integer tile operand is emulated.
+    raise EmulatorError(f"{what}={operand!r} with the bitvec operator {op!r}: how a scalar immediate is encoded for a "
+                        f"bitvec operator is not documented (nki.isa.tensor_scalar types it float); pass an integer "
+                        f"({data.shape[0]}, 1) tile")
 
 
 def _apply(op: Operator, a, b, reverse: bool):
@@ -459,12 +464,24 @@ def register_load(dst, src):
         raise EmulatorError(f"register_load src must hold exactly one element (shape [1] or [1, 1]), got {src.shape}")
     if src._dtype.itemsize > 4:
         raise EmulatorError(f"register_load reads values of up to 32 bits, got {src._dtype}")
-    if not _core.is_int(src._dtype):
-        raise EmulatorError(f"register_load of a {src._dtype} value is not emulated; load an integer tile")
+    integer = _core.is_int(src._dtype)
+    if not integer and _core.platform().sdk_release < (2, 33):
+        raise EmulatorError(f"register_load of a {src._dtype} value before SDK 2.33 is not documented (the 2.33 "
+                            f"page adds: \"src can be any valid NKI data type\"); load an integer tile")
     _cores.note_read(src, "register_load src")
     value = src._array.reshape(-1)[0]
-    if value == _core.poison((1,), src._dtype)[0]:
+    if integer and value == _core.poison((1,), src._dtype)[0]:
         raise EmulatorError("register_load reads memory that was never written")
+    if not integer:
+        # No page says how a float becomes the register's integer (truncated, rounded, its bits): a whole
+        # number in int32's range reads the same under any of them but its bits; the value is taken.
+        value = float(value)
+        if not np.isfinite(value):
+            raise EmulatorError("register_load reads a non-finite float (NaN: memory never written?); which integer "
+                                "it becomes is not documented")
+        if value != int(value) or not -2**31 <= value < 2**31:
+            raise EmulatorError(f"register_load of the float {value}: which integer a fractional or out-of-range "
+                                f"value becomes is not documented")
     dst._value = int(value)
 
 
@@ -472,7 +489,8 @@ def register_load(dst, src):
 # Synchronisation between the cores of an LNC=2 launch (see _cores).
 def core_barrier(data, cores, engine=engine.gpsimd, name=None):
     """Every core waits here until all have arrived; writes to `data` made before it are then visible to
-    the other core (nki.isa.core_barrier, 2.32: "both cores can perform the write to data in HBM using
+    the other core (nki.isa.core_barrier, 2.32 and 2.33; NKI 0.7 has no nki.lnc module, and 0.8 (SDK 2.34)
+    keeps this one as a deprecated wrapper of nki.lnc.core_barrier; 2.32: "both cores can perform the write to data in HBM using
     nisa.dma_copy, and then signal to each other when the write operation is complete"). "This
     instruction is only allowed in NeuronCore-v3 or newer when LNC (Logical NeuronCore) is enabled.
     Currently only cores=(0, 1) is supported"; `data` "must be data in shared HBM". The barrier "will
@@ -480,9 +498,16 @@ def core_barrier(data, cores, engine=engine.gpsimd, name=None):
     `data` only."""
     launch, core = _cores.require("nisa.core_barrier")
     _core.count_instruction()
-    if launch.lnc < 2:
+    if launch.lnc < 2 and _core.platform().sdk_release < (2, 33):
         raise EmulatorError("nisa.core_barrier at LNC=1: the instruction \"is only allowed ... when LNC (Logical "
-                            "NeuronCore) is enabled\" (launch the kernel as kernel[2](...))")
+                            "NeuronCore) is enabled\" (SDK 2.32; launch the kernel as kernel[2](...))")
+    if launch.lnc < 2:
+        # 2.33: "This applies at LNC degree 1 and 2": at LNC=1 the barrier pairs this physical core with the
+        # other one of its HBM stack, which runs another kernel launch (another rank); the emulator runs one
+        # launch per rank and does not model that pairing.
+        raise EmulatorError("nisa.core_barrier at LNC=1 waits for the other physical core of the HBM stack, which "
+                            "runs another launch (\"This applies at LNC degree 1 and 2\", SDK 2.33): the pairing of "
+                            "two launches is not emulated")
     # The page says "a tuple of core indices"; nki-library's mlp_tkg passes the list [0, 1].
     if not isinstance(cores, (tuple, list)) or tuple(cores) != (0, 1):
         raise EmulatorError(f"nisa.core_barrier cores={cores!r}: \"Currently only cores=(0, 1) is supported\"")

@@ -107,6 +107,8 @@ def _host_range(start, stop, step):
     return range(start, stop, step) if stop is not None else range(start)
 
 
+# The static range iterators: Python loops, unrolled while the kernel is traced. "In NKI 0.7 and later, the
+# static range iterators ... are deprecated and default to Python range" (NKI Loops, 2.33): still provided.
 def affine_range(start, stop=None, step=1):
     return _host_range(start, stop, step)
 
@@ -119,27 +121,110 @@ def static_range(start, stop=None, step=1):
     return _host_range(start, stop, step)
 
 
+# The migration guide (2.33.1, "Migrating from NKI 0.6.0 to NKI 0.7.0"): "This release updates kernel
+# specialization and removes the dynamic loop constructs deprecated in NKI 0.6.0"; the announcement: "Kernels
+# that use nl.dynamic_range or while loops with a virtual register must move to nki.language.fori_loop() and
+# nki.language.while_loop()". api.py refuses nl.dynamic_range from SDK 2.33 on with these words.
+REMOVED_IN_0_7 = ("NKI 0.7 (Neuron SDK 2.33) \"removes the dynamic loop constructs deprecated in NKI 0.6.0\" "
+                  "(\"Migrating from NKI 0.6.0 to NKI 0.7.0\"): \"Kernels that use nl.dynamic_range or while loops "
+                  "with a virtual register must move to nki.language.fori_loop() and nki.language.while_loop()\"")
+
+
+def _device_bound(b, loop: str, what: str) -> int:
+    """A compiled loop's bound: an int or a register, read when the loop starts. fori_loop (2.33): "A bound
+    must be 32-bit: the loop compiles into a compare-and-branch that has no 64-bit form"."""
+    if isinstance(b, _core.VirtualRegister):
+        return b._read(f"{loop} {what}")
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+        raise _core.EmulatorError(f"{loop} {what} must be an int or a VirtualRegister, got {type(b).__name__}")
+    if not -2**31 <= int(b) < 2**31:
+        raise _core.EmulatorError(f"{loop} {what} {int(b)} does not fit 32 bits (nki.language.fori_loop: \"A bound "
+                                  f"must be 32-bit\")")
+    return int(b)
+
+
+def _compile_time_step(step, loop: str) -> None:
+    if isinstance(step, _core.VirtualRegister) or isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise _core.EmulatorError(f"{loop} step must be a compile-time positive int, got {step!r}")
+
+
+class _TracedOnce:
+    """A compiled loop's body is traced once and the device repeats what was recorded, so every iteration
+    issues the same instructions: one whose Python state changes what it issues (a counter, a list it grows)
+    would run differently on the device. The pages say to "carry any other loop state through SBUF/HBM"
+    (fori_loop, while_loop, 2.32 / 2.33); the emulator checks the instruction count of each iteration."""
+
+    def __init__(self, loop: str):
+        self.loop, self.issued = loop, None
+
+    def run(self, body, *args):
+        before = _core.issued_here()
+        result = body(*args)
+        issued = _core.issued_here() - before
+        if self.issued is not None and issued != self.issued:
+            raise _core.EmulatorError(
+                f"{self.loop}: an iteration issued {issued} instructions, the first {self.issued}; the body is traced "
+                f"once, so its loop state must live in SBUF/HBM (\"carry any other loop state through SBUF/HBM\"), "
+                f"not in Python values")
+        self.issued = issued
+        _core.current_cost().dynamic_iterations += 1
+        return result
+
+
 def dynamic_range(start, stop=None, step=1):
-    """A loop run by the device: bounds are ints or VirtualRegisters, read when the loop starts;
-    step a compile-time positive int. The loop variable is a register (usable as a scalar_offset,
-    not as a Python int). Iterations are counted (Cost.dynamic_iterations); no page says what an iteration
-    costs beyond its instructions."""
+    """A loop run by the device (NKI 0.6 and older; removed in 0.7, see REMOVED_IN_0_7): bounds are ints or
+    VirtualRegisters, read when the loop starts; step a compile-time positive int. The loop variable is a
+    register (usable as a scalar_offset, not as a Python int). Iterations are counted
+    (Cost.dynamic_iterations); no page says what an iteration costs beyond its instructions."""
     if stop is None:
         start, stop = 0, start
-    if isinstance(step, _core.VirtualRegister) or isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise _core.EmulatorError(f"dynamic_range step must be a compile-time positive int, got {step!r}")
-
-    def bound(b, what):
-        if isinstance(b, _core.VirtualRegister):
-            return b._read(f"dynamic_range {what}")
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
-            raise _core.EmulatorError(f"dynamic_range {what} must be an int or a VirtualRegister, got {type(b).__name__}")
-        return int(b)
-
-    lo, hi = bound(start, "start"), bound(stop, "stop")
+    _compile_time_step(step, "dynamic_range")
+    lo, hi = _device_bound(start, "dynamic_range", "start"), _device_bound(stop, "dynamic_range", "stop")
     for i in range(lo, hi, step):
         _core.current_cost().dynamic_iterations += 1
         yield _core.VirtualRegister(i)
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """body_fun(i) for i in range(lower, upper, step), as a loop the device runs (nki.language.fori_loop, 2.32 /
+    2.33): bounds ints or VirtualRegisters, read when the loop starts, 32-bit; "step size, must be a
+    compile-time positive integer"; body "(i) -> None", i "passed by value", so writing to it changes nothing.
+    From 2.33 "i is a NkiScalar unless either lower or upper is a VirtualRegister, then it will be a
+    VirtualRegister" (2.32: always a VirtualRegister); NkiScalar is not emulated."""
+    _compile_time_step(step, "fori_loop")
+    if not callable(body_fun):
+        raise _core.EmulatorError(f"fori_loop body_fun must be a function (i) -> None, got {type(body_fun).__name__}")
+    by_register = any(isinstance(b, _core.VirtualRegister) for b in (lower, upper))
+    if not by_register and _core.platform().sdk_release >= (2, 33):
+        raise _core.EmulatorError("fori_loop with int bounds passes its body an NkiScalar from NKI 0.7 (\"i is a "
+                                  "NkiScalar unless either lower or upper is a VirtualRegister\"); NkiScalar is "
+                                  "not emulated: bound the loop by a VirtualRegister, or use a Python range")
+    lo, hi = _device_bound(lower, "fori_loop", "lower"), _device_bound(upper, "fori_loop", "upper")
+    traced = _TracedOnce("fori_loop")
+    for i in range(lo, hi, step):
+        if traced.run(body_fun, _core.VirtualRegister(i)) is not None:
+            raise _core.EmulatorError("fori_loop body_fun returns None (\"function (i) -> None\"); carry loop "
+                                      "state through SBUF/HBM")
+
+
+def while_loop(init, body_fun):
+    """r = init; while r != 0: r = body_fun(r), as a loop the device runs (nki.language.while_loop, 2.32 / 2.33):
+    init a VirtualRegister, "checking the condition before each iteration"; the body gets r "passed by value"
+    and returns "the next condition register"."""
+    if not isinstance(init, _core.VirtualRegister):
+        raise _core.EmulatorError(f"while_loop init must be a VirtualRegister (\"Initial condition register\"), "
+                                  f"got {type(init).__name__}")
+    if not callable(body_fun):
+        raise _core.EmulatorError(f"while_loop body_fun must be a function (r) -> VirtualRegister, got "
+                                  f"{type(body_fun).__name__}")
+    condition = init._read("while_loop init")
+    traced = _TracedOnce("while_loop")
+    while condition != 0:
+        following = traced.run(body_fun, _core.VirtualRegister(condition))
+        if not isinstance(following, _core.VirtualRegister):
+            raise _core.EmulatorError(f"while_loop body_fun must return the next condition register (a "
+                                      f"VirtualRegister), got {type(following).__name__}")
+        condition = following._read("while_loop condition")
 
 
 # ---------------------------------------------------------------------------------------------
