@@ -1,15 +1,19 @@
 """The documented NKI surface, enforced on the emulator and on every NKI kernel.
 
-tests/nki_api.json lists the NKI API as the aws-neuron-sdk stubs document it (modules, functions with
-their parameters in order, NkiTensor methods and attributes, enum members; NKI 0.6.0 at the top level,
-snapshots of 0.3.0 - 0.5.0 under `by_version`; its `source` field names the stub commits).
+tests/nki_api.json lists the NKI API as the aws-neuron-sdk stubs and pages document it (modules, functions with
+their parameters in order, NkiTensor methods and attributes, enum members; NKI 0.7.0 (Neuron SDK 2.33) at the top
+level, the 0.6.0 stubs with the changes the 2.33 pages state; snapshots of 0.3.0 - 0.6.0 under `by_version`; its
+`source` field names the stub commits, `pages_0_7` the 2.33 pages read, `deprecated` what each release deprecates).
 
 - The emulator (permgen.nki_emulator.api, what `import nki` gives without the Neuron packages)
   provides only documented names, each with the documented parameters in order, and refuses every
   documented name it does not emulate with a "not emulated" error.
+- The emulator's surface follows its Platform's SDK release: at 2.33 (the default) exactly NKI 0.7.0's names,
+  at 2.32 NKI 0.6.0's (nl.dynamic_range there too).
 - Every NKI kernel (generated/nki/*.py, and the hand-written permgen/nki_*.py modules with @nki.jit
   kernels or exported kernel helpers) uses only names, attributes and keywords the NKI versions it claims to
-  run on document: the README's Trainium host needs Neuron SDK 2.30 (NKI 0.4.0) or newer, so 0.4.0, 0.5.0 and 0.6.0.
+  run on document, and none they deprecate: Neuron SDK 2.32 (NKI 0.6.0, the first with nl.fori_loop) and
+  2.33 (NKI 0.7.0, the README's release).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from permgen.nki_emulator.api import NotEmulated
 
 ROOT = Path(__file__).resolve().parent.parent
 API = json.loads((Path(__file__).parent / "nki_api.json").read_text())
-SUPPORTED_VERSIONS = ("0.4.0", "0.5.0", "0.6.0")  # Neuron SDK 2.30 (the README's minimum) .. 2.32
+SUPPORTED_VERSIONS = ("0.6.0", "0.7.0")  # Neuron SDK 2.32 (nl.fori_loop's first) and 2.33 (the README's)
+SDK_OF = {"0.6.0": "2.32", "0.7.0": "2.33"}
 SUBMODULES = {"nki": {"language", "isa", "collectives", "typing"}, "nki.isa": {"constants"}}
 # Methods of the plain Python values (lists, dicts, strings) kernels use while tracing. None of them is an
 # NkiTensor attribute, so a tensor using one still fails in the emulator (its tensors have only NKI's).
@@ -74,8 +79,14 @@ def check_signature(where: str, obj, params: list, defaults: dict, problems: lis
                             f"documented {'with' if p.name in defaults else 'without'} one")
 
 
-def test_emulator_modules_provide_only_documented_names_with_documented_parameters():
-    doc = surface(API["nki_version"])
+@pytest.mark.parametrize("version", SUPPORTED_VERSIONS)
+def test_emulator_modules_provide_only_documented_names_with_documented_parameters(version):
+    with nki_emulator.on(nki_emulator.Platform(sdk=SDK_OF[version])):
+        check_emulator_modules(version)
+
+
+def check_emulator_modules(version):
+    doc = surface(version)
     problems, emulated = [], 0
     for module_name, names in doc["modules"].items():
         module = EMULATOR_MODULES[module_name]
@@ -281,6 +292,7 @@ def findings(path: Path, version: str) -> list[str]:
             out.append(f"{path.name}:{line}: .{attr} is not an attribute NKI {version} documents (NkiTensor's are the "
                        f"only documented attributes and methods; ReplicaGroup documents none)")
 
+    deprecated = API["deprecated"].get(version, {})
     for use in uses(path):
         kind, line = use[0], use[1]
         if kind == "name":
@@ -290,6 +302,9 @@ def findings(path: Path, version: str) -> list[str]:
             names = doc["modules"].get(module)
             if names is None or rest[0] not in names:
                 out.append(f"{path.name}:{line}: {module}.{rest[0]} is not in NKI {version}")
+            elif f"{module}.{rest[0]}" in deprecated:
+                out.append(f"{path.name}:{line}: {module}.{rest[0]} is deprecated in NKI {version}: "
+                           f"{deprecated[f'{module}.{rest[0]}']}")
             elif len(rest) == 1:
                 check_call(line, names[rest[0]], f"{module}.{rest[0]}", call)
             elif not (len(rest) == 2 and (rest[1] in doc["enum_members"].get(f"{module}.{rest[0]}", ()) or (
@@ -365,3 +380,30 @@ def kernel(a):
     for expected in (".itemsize is not an attribute NKI 0.6.0 documents", "nki.isa.oob_mode.drop is not in NKI",
                      "dma_copy(dst_rmw_op=...) is not a parameter", "nki.language.par_dim is not in NKI"):
         assert expected in found, found
+
+
+def test_the_scan_catches_what_nki_0_7_removed_or_deprecated(tmp_path):
+    """Against NKI 0.7.0 the scan fails nl.dynamic_range (removed) and the static range iterators (deprecated:
+    "default to Python range"), and passes the twin written with nl.fori_loop and Python range."""
+    good = '''
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+@nki.jit
+def kernel(a, bound):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    for r0 in range(0, a.shape[0], 128):
+        nisa.dma_copy(dst=out[r0:r0 + 1, :], src=a[r0:r0 + 1, :])
+    nl.fori_loop(0, bound, lambda i: None)
+    return out
+'''
+    bad = good.replace("range(0, a.shape[0], 128)", "nl.static_range(0, a.shape[0], 128)").replace(
+        "nl.fori_loop(0, bound, lambda i: None)", "for i in nl.dynamic_range(bound):\n        pass")
+    (tmp_path / "good.py").write_text(good)
+    (tmp_path / "bad.py").write_text(bad)
+    assert findings(tmp_path / "good.py", "0.7.0") == []
+    found = "\n".join(findings(tmp_path / "bad.py", "0.7.0"))
+    assert "nki.language.dynamic_range is not in NKI 0.7.0" in found, found
+    assert "nki.language.static_range is deprecated in NKI 0.7.0" in found, found
+    assert "dynamic_range is deprecated in NKI 0.6.0" in "\n".join(findings(tmp_path / "bad.py", "0.6.0"))
