@@ -44,6 +44,9 @@ Two modes:
   sender's buffer by its routes per token: pass topk (permute's hint) or it is sized for
   num_experts routes per token. The routing is checked only with check_routing=True (one host read).
 
+With one rank nothing is exchanged: the counts and rows a rank would send itself are used where they
+are (dispatch's rows are permute's), so a one-rank group costs what permute and unpermute cost.
+
 Before any collective sized by them, eager dispatch and combine swap a few words on the host (the
 ranks' input refusals and settings) so that a rank refusing its input, or ranks that disagree on a
 setting, raise on every rank instead of aborting gloo or leaving a peer waiting (_agree).
