@@ -122,6 +122,17 @@ def test_every_op_at_lnc1(name, hint, request, monkeypatch):
         check_every_op(mod, next(c for c in CASES if c.name == "ragged"), hint, generator_for(request))
 
 
+def test_every_op_on_neuron_sdk_2_32(request, monkeypatch):
+    """The kernels run on both releases they are written for: NKI 0.7 (SDK 2.33, every other test) and NKI 0.6
+    (SDK 2.32), where nl.fori_loop first appears; the device loop (mask routing, no topk hint) at both LNCs."""
+    mod = load("nki", _with(routing="mask", pad=0, dtype="bf16", probs=True))
+    case = next(c for c in CASES if c.name == "ragged")
+    for lnc in (2, 1):
+        monkeypatch.setenv(nki_host.LNC_VARIABLE, str(lnc))
+        with nki_emulator.on(nki_emulator.Platform(sdk="2.32", lnc=lnc)):
+            check_every_op(mod, case, None, generator_for(request))
+
+
 def test_kernels_launch_at_the_lnc_the_environment_declares(monkeypatch):
     """kernel[lnc] with lnc = NEURON_LOGICAL_NC_CONFIG (unset: 2, the Trn2 default); the emulator fails a
     launch whose LNC differs from the declared one, as nki.jit says the runtime does."""
