@@ -20,10 +20,12 @@ The exchange is one of three, each on what the Neuron documentation allows
 - "all_to_all" (default on "trn3"): `all_to_all` on fixed slots of `recv_capacity` rows (equal on
   every rank) and the same compaction. Its page restricts no rank-list, so it serves any group, on
   SDK 2.30 or newer.
-- "all_to_all_v_packed": `all_to_all_v` with `has_rdispls=True` straight into the packed layout. The
-  pages allow it on Trn2 only for inter-node rank-lists (same-indexed ranks of different instances),
-  and on Trn3's NeuronSwitch only at LNC=2, on more than one device, with rank-lists of sequential
-  ranks holding every rank (4 under LNC=2) of each device they touch. Which ranks share a device is
+- "all_to_all_v_packed": `all_to_all_v` with `has_rdispls=True` into the packed layout (of a
+  kernel-internal buffer, then copied out). On Trn2 the pages allow it only for inter-node rank-lists
+  (same-indexed ranks of different instances) on SDK 2.30, 2.31 and 2.33; the 2.32 page allows it
+  "only ... on NeuronSwitch-based instances (trn3 today)". On Trn3's NeuronSwitch: only at LNC=2, on
+  more than one device, with rank-lists of sequential ranks holding every rank (4 under LNC=2) of each
+  device they touch. Which ranks share a device is
   not documented (the page's own example rank-lists are [[1, 2, 3, 4], [5, 6, 7, 8]]), so permgen
   picks this exchange only when asked: the caller, who knows its topology, vouches for it.
 
@@ -275,15 +277,26 @@ def _spread(slots, rows_in, num_rows, slot_rows, starts, counts):
                           src=moved[0:rows, 0:width], oob_mode=nisa.oob_mode.skip)
 
 
-def _check_fits(total, capacity):
-    """Fail on the device when more than `capacity` rows arrived: a one-element indirect read whose
-    index is max(total - capacity, 0) leaves a one-row tensor unless the rows fit (oob_mode.error)."""
+def _checked_counts(counts, capacity):
+    """counts ([1, EP] fp32 rows arriving from each source), passed through a check that fails on the device
+    when more than `capacity` rows arrived: a one-element indirect read whose index is
+    max(total - capacity, 0) leaves a one-row tensor unless the rows fit (oob_mode.error). The value read
+    (0 when they fit) is added to the counts the compaction uses, so the check is part of the dataflow and
+    no dead-code elimination (nki.jit's dead_code_elim) can drop it."""
     excess = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=excess, data=total, op0=nl.subtract, operand0=float(capacity), op1=nl.maximum, operand1=0.0)
+    nisa.tensor_scalar(dst=excess, data=_row_total(counts), op0=nl.subtract, operand0=float(capacity),
+                       op1=nl.maximum, operand1=0.0)
     guard = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.hbm)
-    nisa.dma_copy(dst=guard, src=excess)
+    zero = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.memset(zero, value=0)
+    nisa.dma_copy(dst=guard, src=zero)
     probe = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=probe, src=guard.ap([[1, 1], [1, 1]], offset=0, vector_offset=excess, indirect_dim=0))
+    probe_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=probe_f, src=probe)
+    checked = nl.ndarray(counts.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=checked, data=counts, op0=nl.add, operand0=probe_f)
+    return checked
 
 
 def _row_total(counts):
@@ -326,12 +339,18 @@ def _exchange(send, out, slot_rows, out_f, in_f, metadata, replica_group, exchan
     capacity = out.shape[0]
     _sync(send)
     if exchange == "all_to_all_v_packed":
-        _zero_rows(out)
-        _sync(out)
-        ncc.all_to_all_v(srcs=[send], dsts=[out], replica_group=replica_group, metadata_tensor=metadata,
+        # The collective writes a kernel-internal buffer, copied out after (as nki-library's permute_a2av
+        # does): a kernel's returned tensor is never a collective's destination.
+        landing = nl.ndarray(out.shape, dtype=out.dtype, buffer=nl.shared_hbm)
+        _zero_rows(landing)
+        _sync(landing)
+        ncc.all_to_all_v(srcs=[send], dsts=[landing], replica_group=replica_group, metadata_tensor=metadata,
                          recv_counts_known=True, has_rdispls=True)
+        _sync(landing)
+        _copy_rows(out, landing)
         _sync(out)
         return
+    in_f = _checked_counts(in_f, capacity)
     in_starts = _on_every_partition(_exclusive_scan(in_f))
     in_counts = _on_every_partition(in_f)
     slots = nl.ndarray((ep * slot_rows, hidden), dtype=send.dtype, buffer=nl.shared_hbm)
@@ -348,7 +367,6 @@ def _exchange(send, out, slot_rows, out_f, in_f, metadata, replica_group, exchan
         _sync(spread)
         ncc.all_to_all(srcs=[spread], dsts=[slots], replica_group=replica_group, collective_dim=0)
     _sync(slots)
-    _check_fits(_row_total(in_f), capacity)
     _compact(out, slots, slot_rows, in_starts, in_counts)
     _sync(out)
 

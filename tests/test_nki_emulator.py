@@ -798,6 +798,12 @@ def test_all_to_all_v_follows_each_generations_restrictions():
     assert _a2av_ranks(4, [[0, 2], [1, 3]], two_nodes, has_rdispls=True)[3] == [1.0, 3.0]
     with pytest.raises(EmulatorError, match="inter-node rank-list"):
         _a2av_ranks(4, [[0, 3], [1, 2]], two_nodes, has_rdispls=True)
+    # The 2.32 stub: has_rdispls=True "Currently only supported on NeuronSwitch-based instances (trn3 today)",
+    # inter-node rank-lists included; its 2.31 stub does not restrict it beyond inter-node rank-lists.
+    with pytest.raises(EmulatorError, match="NeuronSwitch-based instances"):
+        _a2av_ranks(4, [[0, 2], [1, 3]], nki_emulator.Platform("trn2", ranks_per_node=2, sdk="2.32"), has_rdispls=True)
+    assert _a2av_ranks(4, [[0, 2], [1, 3]], nki_emulator.Platform("trn2", ranks_per_node=2, sdk="2.31"),
+                       has_rdispls=True)[3] == [1.0, 3.0]
 
     trn3 = nki_emulator.Platform("trn3", lnc=2)
     assert _a2av_ranks(8, [list(range(8))], trn3, has_rdispls=True)[5] == [float(r) for r in range(8)]

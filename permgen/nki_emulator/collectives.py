@@ -186,7 +186,13 @@ def _check_generation(kind: str, ranks: list[int], has_rdispls: bool) -> None:
                                 f"list with send count 0")
         return
     # Elsewhere (Trn2): 2.33, "has_rdispls=True is currently only supported on inter-node replica groups";
-    # 2.30 - 2.32, "all_to_all_v currently supports only inter-node replica groups" (any has_rdispls).
+    # 2.30 - 2.32, "all_to_all_v currently supports only inter-node replica groups" (any has_rdispls). The 2.32
+    # stub also says of has_rdispls=True: "Currently only supported on NeuronSwitch-based instances (trn3
+    # today)", which its 2.30 / 2.31 stubs do not say: on 2.32 no Trn2 rank-list may use it.
+    if has_rdispls and plat.sdk_release == (2, 32):
+        raise EmulatorError(f"{kind}(has_rdispls=True) on trn2 with SDK 2.32: \"Currently only supported on "
+                            f"NeuronSwitch-based instances (trn3 today)\" (nki.collectives.all_to_all_v, 2.32). "
+                            f"Use has_rdispls=False on an inter-node rank-list, or SDK 2.33")
     if has_rdispls or plat.sdk_release < (2, 33):
         nodes = [r // plat.ranks_per_node for r in ranks]
         local = {r % plat.ranks_per_node for r in ranks}
