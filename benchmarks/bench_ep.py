@@ -13,6 +13,8 @@ rank's time (median over `--reps` repetitions):
 - dispatch:       permgen dispatch, dropless (routing counts, count exchange, its one host read,
                   permute, all-to-all of rows and probs, regroup where there is one); also in
                   fixed-capacity mode, and both backward passes (through autograd)
+                  (with one rank dispatch and combine start no collective: "beyond the all-to-all"
+                  is then their whole time)
 - combine:        permgen combine (regroup back, all-to-all, unpermute with merging probs)
 - torch dispatch: argsort permute + bincount + count all-to-all + .tolist() + all_to_all_single +
                   torch.split / torch.cat regroup by (source, local expert)
@@ -257,7 +259,9 @@ def summarise(r):
     single = dict(dispatch="permute", combine="unpermute", dispatch_capacity="permute_capacity",
                   combine_capacity="unpermute_capacity", dispatch_backward="permute_backward",
                   combine_backward="unpermute_backward")
-    beyond = {op: t[op] - t["a2a_capacity" if op.endswith("capacity") else "a2a"]
+    # With one rank dispatch and combine exchange nothing (the rows would be copied to themselves): all
+    # of their time is beyond the all-to-all.
+    beyond = {op: t[op] - (0.0 if r["world"] == 1 else t["a2a_capacity" if op.endswith("capacity") else "a2a"])
               for op in ("dispatch", "combine", "dispatch_capacity", "combine_capacity", "dispatch_backward",
                          "combine_backward")}
     out = {f"{op}_beyond_a2a_us": round(b, 1) for op, b in beyond.items()}

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
                        scale_columns, scale_dtype)
-from .ops import _prefix, _Registered
+from .ops import _eager_apply, _prefix, _Registered, _remember
 from .results import RowIdMap, RowMapLayout, row_map_words
 
 
@@ -243,6 +243,9 @@ class _Combine(torch.autograd.Function):
         return None, grad_expert_out, grad_probs if needs[2] else None
 
 
+_dispatch_apply, _combine_apply = _eager_apply(_Dispatch), _eager_apply(_Combine)
+
+
 def _send_row_map(row_id_map, slot_of_row, offsets, counts, num_rows):
     """permute's row map with each route's row moved to its send row (slot_of_row[row], -1 for
     none: the route is dropped) and the send buffer's segments: the same layout (permgen.results),
@@ -402,8 +405,9 @@ def _raise_bad_routing(ops, routing, num_experts, width, bad_per_source, me):
                      "no rank dispatched")
 
 
-# ProcessGroup -> [world size, this process's rank in it, backend, host channel]: what the checks learn
-# once per group (the channel, a gloo group over the same ranks, is made on first use).
+# ProcessGroup -> [world size, this process's rank in it, backend, host channel, checked dispatches]:
+# what the checks learn once per group (the channel, a gloo group over the same ranks, is made on first
+# use; the checked dispatches: _checked_dispatch's).
 _GROUPS = weakref.WeakKeyDictionary()
 
 
@@ -419,7 +423,7 @@ def _check_group(name, group):
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError(f"{name}: this process is not a member of the group")
-        facts = _GROUPS[group] = [dist.get_world_size(group), rank, str(dist.get_backend(group)), None]
+        facts = _GROUPS[group] = [dist.get_world_size(group), rank, str(dist.get_backend(group)), None, {}]
     return facts[0], facts[1]
 
 
@@ -517,19 +521,14 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
     name = ops.name
     compiling = torch.compiler.is_compiling()
     world, me = (group.size(), None) if compiling else _check_group(name, group)
-    refused = None
-    try:  # a rank refusing its input tells the others before any collective, so none waits on it
+    check = recv_capacity is None if check_routing is None else check_routing
+    if compiling:
         plan = _check_dispatch(ops, tokens, routing, probs, scale, group, num_experts, recv_capacity, topk,
                                check_routing, world, compiling)
-    except (TypeError, ValueError) as e:
-        if compiling:
-            raise
-        refused, plan = e, None
-    check = recv_capacity is None if check_routing is None else check_routing
-    if not compiling:
-        words = () if plan is None else _dispatch_words(ops, tokens, probs, scale, plan.num_experts, plan.width,
-                                                        recv_capacity, topk, check)
-        _agree(name, "dispatch", group, world, me, refused, _DISPATCH_WORDS, words or (0,) * len(_DISPATCH_WORDS))
+    else:
+        refused, plan, words = _checked_dispatch(ops, tokens, routing, probs, scale, group, num_experts,
+                                                 recv_capacity, topk, check_routing, world, check)
+        _agree(name, "dispatch", group, world, me, refused, _DISPATCH_WORDS, words)
     num_experts = plan.num_experts
     if compiling:
         if recv_capacity is None or check:
@@ -541,11 +540,40 @@ def run_dispatch(ops, tokens, routing, probs=None, scale=None, *, group, num_exp
         res, handle, tokens_per_expert = _plan(ops, plan, tokens, routing, probs, scale, group, world, topk,
                                                recv_capacity, check)
     if _needs_grad(tokens, probs):
-        out, out_probs = _Dispatch.apply(handle, res, tokens, probs)
+        out, out_probs = _dispatch_apply(handle, res, tokens, probs)
     else:
         out, out_probs = _dispatch_rows(handle, res)
     out_scale = None if res.scale is None else _to_experts(handle, _pack(handle, res.scale))[0]
     return DispatchResult(out, out_probs, out_scale, tokens_per_expert, handle)
+
+
+def _checked_dispatch(ops, tokens, routing, probs, scale, group, num_experts, recv_capacity, topk, check_routing,
+                      world, check):
+    """(this rank's refusal or None, permute's plan, the words _agree compares) of an eager dispatch. A
+    call like one already checked on this group (the same shapes, dtypes, devices, contiguity and
+    settings) costs a dict lookup: the checks and the words are kept with the group (_GROUPS)."""
+    try:
+        key = (ops.prefix, tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
+               routing.shape, routing.dtype, routing.device, routing.is_contiguous(),
+               None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()),
+               None if scale is None else (scale.shape, scale.dtype, scale.device, scale.is_contiguous()),
+               num_experts, recv_capacity, topk, check_routing,
+               type(num_experts), type(recv_capacity), type(topk), type(check_routing))
+        checked = _GROUPS[group][4]
+        kept = checked.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say what is wrong
+        key = kept = checked = None
+    if kept is not None:
+        return None, *kept
+    try:  # a rank refusing its input tells the others before any collective, so none waits on it
+        plan = _check_dispatch(ops, tokens, routing, probs, scale, group, num_experts, recv_capacity, topk,
+                               check_routing, world, False)
+    except (TypeError, ValueError) as e:
+        return e, None, (0,) * len(_DISPATCH_WORDS)
+    words = () if world == 1 else _dispatch_words(ops, tokens, probs, scale, plan.num_experts, plan.width,
+                                                  recv_capacity, topk, check)
+    _remember(checked, key, (plan, words))
+    return None, plan, words
 
 
 def _check_dispatch(ops, tokens, routing, probs, scale, group, num_experts, recv_capacity, topk, check_routing,
@@ -765,7 +793,7 @@ def _check_combine(ops, expert_out, handle, merging_probs):
 
 def _combine_rows(ops, expert_out, handle, merging_probs):
     if _needs_grad(expert_out, merging_probs):
-        return _Combine.apply(handle, expert_out, merging_probs)
+        return _combine_apply(handle, expert_out, merging_probs)
     return ops.backend.unpermute(handle.send_map, _to_sources(handle, expert_out)[0], merging_probs)
 
 
