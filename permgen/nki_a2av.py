@@ -44,6 +44,7 @@ Platform should name the same generation).
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .nki_host import ensure_nki, logical_cores
@@ -567,9 +568,17 @@ def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacit
     if num_rows == 0:  # a rank with nothing to send still takes part in the exchange
         hidden_states = np.zeros((1, hidden), dtype=hidden_states.dtype)
         packed_source_indices = np.zeros(1, dtype=np.int32)
-    return nki.simulate(permute_a2av_kernel[logical_cores()])(
-        hidden_states, packed_source_indices, send_counts, recv_capacity=int(recv_capacity),
+    # The rows are only moved: float8_e4m3fn ones travel as their bytes (Trainium2 has no such data type).
+    recv, metadata = nki.simulate(permute_a2av_kernel[logical_cores()])(
+        _moved_bytes(hidden_states), packed_source_indices, send_counts, recv_capacity=int(recv_capacity),
         replica_group=replica_group, generation=generation, exchange=exchange)
+    return recv.view(hidden_states.dtype), metadata
+
+
+def _moved_bytes(rows):
+    """float8_e4m3fn rows as uint8 (neuronx-cc NCC_EVRF051: "Data type F8E4M3FN is not supported on TRN1/TRN2"),
+    other rows as they are."""
+    return rows.view(np.uint8) if rows.dtype == np.dtype(ml_dtypes.float8_e4m3fn) else rows
 
 
 def unpermute_a2av(expert_output, packed_source_indices, send_counts, merging_probs, replica_group, *,
@@ -585,6 +594,9 @@ def unpermute_a2av(expert_output, packed_source_indices, send_counts, merging_pr
     routed row t * k + j, accumulated in fp32.
     """
     expert_output = _array(expert_output, "expert_output", (None, None))
+    if expert_output.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+        raise TypeError("expert_output is float8_e4m3fn, which the combine would compute with: Trainium2 has no such "
+                        "data type (neuronx-cc NCC_EVRF051); pass the experts' bf16 outputs")
     capacity, hidden = expert_output.shape
     if hidden == 0 or capacity == 0:
         raise ValueError(f"expert_output must have rows and columns, got {list(expert_output.shape)}")

@@ -88,6 +88,17 @@ _VIEWS = {torch.bfloat16: (torch.int16, np.int16, ml_dtypes.bfloat16),
 _FROM_NUMPY = {np.dtype(np_dtype): (torch_dtype, word) for torch_dtype, (_, word, np_dtype) in _VIEWS.items()}
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Rows a kernel only moves, as a kernel operand: float8_e4m3fn as its uint8 bytes, since Trainium2 has no
+    such data type (neuronx-cc NCC_EVRF051: "Data type F8E4M3FN is not supported on TRN1/TRN2"; its fp8 is
+    float8_e4m3); every other dtype as it is. from_bytes(out, t.dtype) undoes it on a kernel's output."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def from_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype) if dtype == torch.float8_e4m3fn else t
+
+
 def to_kernel(t: torch.Tensor) -> np.ndarray:
     """A kernel argument: the tensor's data as a NumPy array (what nki.simulate takes)."""
     t = t.detach().contiguous()
@@ -215,10 +226,10 @@ class NkiBackend:
         if hidden == 0:  # kernels take no empty tensors: move a zero column, return none
             tokens = torch.zeros((num_tokens, 1), dtype=tokens.dtype, device=device)
             scale = None if scale is None else torch.zeros((num_tokens, 1), dtype=scale.dtype, device=device)
-        args = [tokens, routing] + [t for t in (probs, scale) if t is not None]
+        args = [as_bytes(tokens), routing] + [t for t in (probs, scale) if t is not None]
         outs = list(self._run(self.kernels.permute, *args, num_experts=num_experts, width=width,
                               num_out_tokens=capacity))
-        out = outs.pop(0)[:num_rows, :hidden]
+        out = from_bytes(outs.pop(0)[:num_rows, :hidden], tokens.dtype)
         out_probs = None if probs is None else outs.pop(0)[:num_rows]
         out_scale = outs.pop(0)[:num_rows, :0 if hidden == 0 else None] if v.makes_scale else None
         row_map, tokens_per_expert = outs
@@ -321,9 +332,9 @@ class NkiChunkKernels:
         moved = tokens if hidden else torch.zeros((num_rows, 1), dtype=tokens.dtype, device=tokens.device)
         rows = rows.to(torch.int32).reshape(num_rows, 1)
         if probs is None:
-            return _run(self.simulate, self.rows_kernel, moved, rows)[:, :hidden], None
-        out, out_probs = _run(self.simulate, self.rows_and_probs_kernel, moved, probs.reshape(num_rows, 1), rows)
-        return out[:, :hidden], out_probs.reshape(num_rows)
+            return from_bytes(_run(self.simulate, self.rows_kernel, as_bytes(moved), rows)[:, :hidden], tokens.dtype), None
+        out, out_probs = _run(self.simulate, self.rows_and_probs_kernel, as_bytes(moved), probs.reshape(num_rows, 1), rows)
+        return from_bytes(out[:, :hidden], tokens.dtype), out_probs.reshape(num_rows)
 
 
 _CHUNK_SORT = None  # made on first use; every variant shares it, so its ops are registered once

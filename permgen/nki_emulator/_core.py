@@ -351,6 +351,12 @@ class Tensor:
         self._init(storage, SBUF if buffer is None else buffer, name, True, storage)
 
     def _init(self, array, buffer, name, whole, root):
+        if array.dtype == float8_e4m3fn and platform().nc_version < 4:
+            # The compiler's NCC_EVRF051 ("Data type F8E4M3FN is not supported on TRN1/TRN2"): it "raises this
+            # error for an F8E4M3FN operand targeting Trn1 or Trn2"; Trainium2's fp8 is float8_e4m3.
+            raise EmulatorError(f"a float8_e4m3fn tensor on {platform().generation} (NeuronCore-v{platform().nc_version}): "
+                                f"\"Data type F8E4M3FN is not supported on TRN1/TRN2\" (neuronx-cc error NCC_EVRF051); "
+                                f"move its bytes as uint8, or use float8_e4m3")
         self._array = array
         self.buffer = buffer
         self.name = name

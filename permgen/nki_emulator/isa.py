@@ -74,13 +74,7 @@ def _tile(x, what: str) -> Tensor:
     if x.buffer is PSUM and math.prod(x._root.shape[1:]) > _core.PSUM_BANK_FMAX:
         raise EmulatorError(f"{what} is a PSUM tile wider than one bank ({x._root.shape}): not documented for any "
                             f"instruction but NeuronCore-v4's nc_matmul dst")
-    if x._dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
-        # nki.isa.nc_matmul (2.32): "Starting NeuronCore-v4, float8_e4m3fn (OCP FP8) is also supported"; no
-        # page documents float8_e4m3fn on a NeuronCore-v3 compute engine (nki-library resolves it to
-        # float8_e4m3 on gen3 and older). DMA moves and converts it (dma_copy: "any supported NKI data types").
-        plat = _core.platform()
-        raise EmulatorError(f"{what} is float8_e4m3fn on {plat.generation} (NeuronCore-v{plat.nc_version}): not "
-                            f"documented for compute engines before NeuronCore-v4; use float8_e4m3 there")
+    # float8_e4m3fn on NeuronCore-v3 never gets here: no such tensor exists there (Tensor, NCC_EVRF051).
     return x
 
 
@@ -406,10 +400,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.nc_matmul.html,
         # whose text is the nc_matmul docstring of aws-neuron-sdk's nki/api/nki/isa/__init__.py):
         # float8_e4m3 / float8_e5m2 / bfloat16 / float16 / tfloat32 / float32, and float8_e4m3fn
-        # starting NeuronCore-v4.
-        if t._dtype == _core.float8_e4m3fn and _core.platform().nc_version < 4:
-            raise EmulatorError(f"nc_matmul {what} is float8_e4m3fn, a NeuronCore-v4 format; this platform is "
-                                f"{_core.platform().generation} (NeuronCore-v{_core.platform().nc_version})")
+        # starting NeuronCore-v4 (before it no float8_e4m3fn tensor exists: Tensor, NCC_EVRF051).
     # Same page: the two inputs may differ in dtype, except that a float32 input needs a float32 partner
     # and legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed.
     if (stationary._dtype == np.float32) != (moving._dtype == np.float32):
