@@ -39,6 +39,11 @@ from .variant import Variant
 # columns), and row numbers are computed exactly in fp32.
 MAX_EXPERTS = 512
 MAX_ROWS = 1 << 24
+# The sums over a token's routes (unpermute, permute's token gradients) and unpermute's gradients keep one
+# fp32 accumulator (or gradient) tile per 2048 hidden columns live across their device loop, 8 KiB per partition
+# each, beside the loop body's working tiles: Trainium2 has "128 partitions of 224KiB" of SBUF (trainium2_arch).
+# Eight column blocks fit with E = 512 experts and k = 32 slots in fp32 (the emulator counts live SBUF).
+MAX_HIDDEN = 16384
 LNC_VARIABLE = "NEURON_LOGICAL_NC_CONFIG"
 
 
@@ -240,8 +245,15 @@ class NkiBackend:
         return PermuteOutputs(out, out_probs, out_scale, tokens_per_expert.reshape(-1).to(torch.int64), row_map,
                               num_rows)
 
+    def _check_hidden(self, hidden: int) -> None:
+        if hidden > MAX_HIDDEN:
+            raise ValueError(f"{self.name}: the nki target sums and scatters rows of at most {MAX_HIDDEN} columns (its "
+                             f"accumulators for every column stay in SBUF, 224 KiB per partition on Trainium2), got "
+                             f"H = {hidden}")
+
     def _sum_routes(self, row_id_map, rows_in):
         num_tokens, hidden = row_id_map.num_tokens, rows_in.shape[1]
+        self._check_hidden(hidden)
         if num_tokens == 0 or hidden == 0 or rows_in.shape[0] == 0:
             return torch.zeros((num_tokens, hidden), dtype=rows_in.dtype, device=rows_in.device)
         return self._run(self.kernels.sum_routes, rows_in, row_id_map.row_map, **self._sizes(row_id_map))
@@ -250,6 +262,7 @@ class NkiBackend:
         if merging_probs is None:
             return self._sum_routes(row_id_map, permuted)
         num_tokens, hidden = row_id_map.num_tokens, permuted.shape[1]
+        self._check_hidden(hidden)
         if num_tokens == 0 or hidden == 0 or permuted.shape[0] == 0:
             return torch.zeros((num_tokens, hidden), dtype=permuted.dtype, device=permuted.device)
         return self._run(self.kernels.unpermute, permuted, row_id_map.row_map, merging_probs,
@@ -261,6 +274,7 @@ class NkiBackend:
         num_tokens, num_rows = row_id_map.num_tokens, row_id_map.num_rows
         shape, dtype = probs_meta
         hidden = 0 if grad_out is None else grad_out.shape[1]
+        self._check_hidden(hidden)
         if num_tokens == 0 or num_rows == 0:
             grad_tokens = None if grad_out is None else torch.zeros((num_tokens, hidden), dtype=grad_out.dtype,
                                                                     device=grad_out.device)
@@ -275,6 +289,7 @@ class NkiBackend:
 
     def unpermute_backward(self, row_id_map, grad_out, permuted, merging_probs) -> Grads:
         num_tokens, num_rows, hidden = row_id_map.num_tokens, row_id_map.num_rows, grad_out.shape[1]
+        self._check_hidden(hidden)
         empty = num_tokens == 0 or num_rows == 0 or hidden == 0
         if merging_probs is None:
             if empty:

@@ -356,3 +356,22 @@ def test_nki_limits_and_device():
         mod.permute(tokens, torch.full((4, 2), 7, dtype=torch.int32), num_experts=3)
     with pytest.raises(ValueError, match="nki target runs kernels through nki.simulate on CPU"):
         mod.permute(tokens.to("meta"), torch.zeros(4, 2, dtype=torch.int32, device="meta"), num_experts=3)
+
+
+def test_hidden_size_bound_keeps_the_accumulators_in_sbuf():
+    """unpermute's accumulators for every column block stay in SBUF across the device loop: H up to MAX_HIDDEN
+    runs (at E = 512, k = 32 in fp32, the most SBUF it takes), one column more is refused before any launch."""
+    mod = load("nki", _with(routing="index", probs=True, dtype="fp32"))
+    g = torch.Generator().manual_seed(4106)
+    num_tokens, num_experts, k, hidden = 2, 512, 32, nki_host.MAX_HIDDEN
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(num_tokens)]).int()
+    probs = torch.rand(num_tokens, k, generator=g, requires_grad=True)
+    tokens = torch.randn(num_tokens, hidden, generator=g, requires_grad=True)
+    result = mod.permute(tokens, ids, probs, num_experts=num_experts, num_out_tokens=num_tokens * k)
+    merged = mod.unpermute(result.tokens, result.row_id_map, probs)
+    torch.testing.assert_close(merged, tokens * probs.sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+    merged.sum().backward()  # permute's and unpermute's backward kernels at the same size
+    torch.testing.assert_close(tokens.grad, probs.detach().sum(1, keepdim=True).expand(-1, hidden), rtol=1e-5, atol=1e-5)
+    wider = torch.randn(num_tokens * k, hidden + 1, generator=g)
+    with pytest.raises(ValueError, match=f"at most {nki_host.MAX_HIDDEN} columns"):
+        mod.unpermute(wider, result.row_id_map, probs)
