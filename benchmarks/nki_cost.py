@@ -4,8 +4,8 @@ For the bf16 mask and index variants (probs_bf16_mask, probs_bf16_index) at N=40
 k=8 by default, every kernel of a training step runs once in the emulator (nki_emulator), which
 counts per kernel run the instructions issued (every nki.isa / nki.collectives call, as executed:
 a device loop's body once per iteration), the indirect (gather/scatter) DMAs, the bytes DMAs moved
-(lanes an indirect DMA skips move nothing) and the iterations of nl.dynamic_range loops (each
-ends in an all-engine barrier). Mask routing runs without and with the topk hint. Kernels launch
+(lanes an indirect DMA skips move nothing) and the iterations of device loops (nl.fori_loop; what an
+iteration costs beyond its instructions no page says). Mask routing runs without and with the topk hint. Kernels launch
 at the LNC the environment declares (NEURON_LOGICAL_NC_CONFIG, unset: 2, the Trn2 default; --lnc
 sets it); at LNC=2 a count is both cores' together.
 

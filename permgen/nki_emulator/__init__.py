@@ -13,8 +13,8 @@ by default). Where no page says what the hardware does, it refuses with "not doc
     import nki                  # ...only when the real package is not importable
 
 `import nki` then gives the modules of `nki_emulator.api`: exactly the documented NKI names the
-emulator emulates (NKI 0.6 stubs, with their documented parameters); any other name raises
-`api.NotEmulated`. API_CHECKED.md gives the page and sentence of every rule.
+emulator emulates (NKI 0.7, Neuron SDK 2.33, by default; NKI 0.6 at Platform(sdk="2.32")), with their
+documented parameters; any other name raises `api.NotEmulated`. API_CHECKED.md gives the page and sentence of every rule.
 
 Kernels run when called with NumPy arrays (like `nki.simulate(kernel)(*arrays)`), returning NumPy
 arrays; `simulate` mirrors the real entry point's signature. Kernels that call collectives run on
