@@ -8,8 +8,8 @@ FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 ROUTINGS = ("mask", "index")
 SCALES = ("none", "block128", "mx32")
 # Quantise on permute: bf16/fp16/fp32 tokens in, float8_e4m3fn rows and their scales out (the scale
-# formats of SCALE_FORMATS; their definitions are in the README, "Quantising variants").
-QUANTIZES = ("none", "block128", "mx32")
+# formats of SCALE_FORMATS; their definitions are in docs/quantization.md).
+QUANTIZES = ("none", "block128", "mx32", "rowwise")
 QUANTIZABLE_DTYPES = ("bf16", "fp16", "fp32")
 QUANTIZED_DTYPE = "fp8_e4m3"
 TARGETS = ("triton", "nki")
@@ -21,16 +21,20 @@ AXIS_DEFAULTS = {"probs": True, "scale": "none", "quantize": "none", "pad": 0, "
 # Options: what a variant's modules offer beside its permutation. Not part of its name: two entries
 # that differ only in options are the same variant.
 #   expert_mlp  true: the Triton module has `expert_mlp`, the expert MLP with the permutation folded
-#               into its GEMMs (permgen.expert_mlp); bf16 tokens only (torch._grouped_mm's dtype)
+#               into its GEMMs (permgen.expert_mlp); bf16 tokens (torch._grouped_mm's dtype), or bf16
+#               quantised rowwise (torch._scaled_grouped_mm's FP8 GEMMs, permgen.fp8_gemm)
 OPTIONS = ("expert_mlp",)
 OPTION_DEFAULTS = {"expert_mlp": False}
 EXPERT_MLP_DTYPES = ("bf16",)
+EXPERT_MLP_QUANTIZES = ("none", "rowwise")
+# Quantisations the NKI target does not generate yet.
+TRITON_ONLY_QUANTIZES = ("rowwise",)
 
 # The torch dtype (by attribute name) of each token dtype.
 TOKEN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                      "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-# scale kind -> (token columns per scale, torch dtype name of the scales)
-SCALE_FORMATS = {"block128": (128, "float32"), "mx32": (32, "uint8")}
+# scale kind -> (token columns per scale, 0: the whole row; torch dtype name of the scales)
+SCALE_FORMATS = {"block128": (128, "float32"), "mx32": (32, "uint8"), "rowwise": (0, "float32")}
 PROB_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Row numbers and route counts are int32 on every target.
 MAX_ROWS = 2**31 - 1

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .contract import check_tensor
+from .fp8_gemm import Fp8ExpertWeights, Fp8Ops, quantize_expert_weights
 from .triton_gemm import GatherOps
 
 
@@ -52,7 +53,7 @@ def _segment_ends(row_id_map, experts):
 
 
 def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None,
-                   topk=None, save_memory=False):
+                   topk=None, save_memory=False, fp8_ops=None, fp8_weights=None):
     name, v = ops.name, ops.variant
     check_tensor(v, "tokens", tokens, (None, None), (v.token_dtype,), None)
     if probs is not None and not v.probs:
@@ -72,16 +73,25 @@ def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_exper
         raise ValueError(f"{name}: w2 must be [E, F, H] = {(experts, width2 // 2, hidden)} for w1 "
                          f"{tuple(w1.shape)}, got {tuple(w2.shape)}")
     # torch._grouped_mm takes rows of whole 16-byte multiples (its words: "strides should be multiple of 16 bytes").
-    multiple = max(1, 16 // tokens.element_size())
+    row_dtype = torch.float8_e4m3fn if fp8_ops is not None else tokens.dtype
+    multiple = max(1, 16 // row_dtype.itemsize)
     for label, size in (("H (the tokens' columns)", hidden), ("F (w2's rows, w1's columns / 2)", width2 // 2)):
         if size % multiple:
-            raise ValueError(f"{name}: {label} = {size} must be a multiple of {multiple} for {tokens.dtype} "
+            raise ValueError(f"{name}: {label} = {size} must be a multiple of {multiple} for {row_dtype} rows "
                              "(the grouped GEMM reads rows of 16-byte multiples)")
     if num_experts is not None and num_experts != experts:
         raise ValueError(f"{name}: num_experts={num_experts} but the weights hold {experts} experts")
     if not isinstance(save_memory, bool):
         raise TypeError(f"{name}: save_memory must be a bool, got {type(save_memory).__name__}")
+    if fp8_ops is None and fp8_weights is not None:
+        raise ValueError(f"{name}: fp8_weights are for the FP8 expert MLP (variants with quantize = 'rowwise')")
+    if fp8_ops is not None and save_memory:
+        raise ValueError(f"{name}: save_memory=True is for bf16 variants; the FP8 expert MLP keeps no permuted rows "
+                         "for the backward pass (it gathers the tokens again)")
     route_probs = None if probs is None else probs.detach()  # permute moves them; only unpermute's merge is differentiated
+    if fp8_ops is not None:
+        return _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts, num_out_tokens, topk,
+                        fp8_weights)
     if not save_memory:
         res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
         offs = _segment_ends(res.row_id_map, experts)[1:]
@@ -96,23 +106,61 @@ def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_exper
     return ops.unpermute(out, res.row_id_map, probs)
 
 
+def _check_fp8_weights(name, weights, w1, w2):
+    if not isinstance(weights, Fp8ExpertWeights):
+        raise TypeError(f"{name}: fp8_weights must be what expert_mlp.quantize_weights(w1, w2) returns, got "
+                        f"{type(weights).__name__}")
+    (experts, hidden, width2), width = w1.shape, w1.shape[2] // 2
+    shapes = dict(w1=(experts, width2, hidden), w1_scale=(experts, width2), w1_t=(experts, hidden, width2),
+                  w1_t_scale=(experts, hidden), w2=(experts, hidden, width), w2_scale=(experts, hidden),
+                  w2_t=(experts, width, hidden), w2_t_scale=(experts, width))
+    for field, shape in shapes.items():
+        t = getattr(weights, field)
+        dtype = torch.float32 if field.endswith("scale") else torch.float8_e4m3fn
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != w1.device or not t.is_contiguous():
+            raise ValueError(f"{name}: fp8_weights.{field} must be contiguous {dtype} {list(shape)} on {w1.device} "
+                             f"(quantize_weights of these w1 and w2), got {t.dtype} {list(t.shape)} on {t.device}")
+
+
+def _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts, num_out_tokens, topk, fp8_weights):
+    """permute-quantise -> FP8 MLP (permgen.fp8_gemm) -> unpermute."""
+    if fp8_weights is None:
+        fp8_weights = quantize_expert_weights(w1, w2, quantize=fp8_ops.quantize_rows)
+    elif not torch.compiler.is_compiling():
+        _check_fp8_weights(ops.name, fp8_weights, w1, w2)
+    res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
+    m = res.row_id_map
+    # permute's scales are [M, 1]: the [M] view is the GEMM's row scales, no copy.
+    out, _ = fp8_ops.mlp(tokens, res.tokens, res.scale.view(-1), w1, w2, fp8_weights,
+                         _segment_ends(m, experts)[1:], _row_tokens(m), m)
+    return ops.unpermute(out, m, probs)
+
+
 def bind_expert_mlp(ops):
     """The variant's expert MLP (its generated module's `expert_mlp`); its gather GEMM's ops are
-    `expert_mlp.gather_ops`."""
+    `expert_mlp.gather_ops`; a variant quantising rowwise runs the FP8 expert MLP (permgen.fp8_gemm),
+    whose weights `expert_mlp.quantize_weights(w1, w2)` quantises."""
     gather_ops = GatherOps(ops)
+    fp8_ops = Fp8Ops(ops, gather_ops) if ops.variant.quantize == "rowwise" else None
 
     def expert_mlp_(tokens, routing, probs=None, w1=None, w2=None, *, num_experts=None, num_out_tokens=None,
-                    topk=None, save_memory=False):
+                    topk=None, save_memory=False, fp8_weights=None):
         """y [N, H] = unpermute(swiglu(permute(tokens) @ w1[e]) @ w2[e], probs).
 
         tokens [N, H] bf16; routing and probs as the variant's permute takes them (probs: the
         merging probs, as unpermute's); w1 [E, H, 2F] (SwiGLU: the gate's F columns, then the up
         projection's); w2 [E, F, H]. num_out_tokens and topk: permute's. save_memory=True: the
         first GEMM reads the tokens through the row map, keeping no permuted copy for the backward
-        pass (slower; see permgen.expert_mlp). Differentiable in tokens, probs, w1 and w2."""
+        pass (slower; see permgen.expert_mlp). Differentiable in tokens, probs, w1 and w2.
+        FP8 variants (quantize = "rowwise"): the GEMMs in float8_e4m3fn (permgen.fp8_gemm); fp8_weights:
+        quantize_weights(w1, w2), made once per optimizer step, else the call quantises w1 and w2."""
         return run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, num_experts=num_experts,
-                              num_out_tokens=num_out_tokens, topk=topk, save_memory=save_memory)
+                              num_out_tokens=num_out_tokens, topk=topk, save_memory=save_memory, fp8_ops=fp8_ops,
+                              fp8_weights=fp8_weights)
 
     expert_mlp_.__name__ = "expert_mlp"
     expert_mlp_.gather_ops = gather_ops
+    if fp8_ops is not None:
+        expert_mlp_.fp8_ops = fp8_ops
+        expert_mlp_.quantize_weights = lambda w1, w2: quantize_expert_weights(w1, w2, quantize=fp8_ops.quantize_rows)
     return expert_mlp_

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .axes import (AXES, AXIS_DEFAULTS, DTYPES, EXPERT_MLP_DTYPES, FP8_DTYPES, MAX_PAD, OPTION_DEFAULTS,
-                   PROB_DTYPE_NAMES, QUANTIZABLE_DTYPES, QUANTIZED_DTYPE, QUANTIZES, ROUTINGS, SCALE_FORMATS, SCALES,
+from .axes import (AXES, AXIS_DEFAULTS, DTYPES, EXPERT_MLP_DTYPES, EXPERT_MLP_QUANTIZES, FP8_DTYPES, MAX_PAD,
+                   OPTION_DEFAULTS, PROB_DTYPE_NAMES, QUANTIZABLE_DTYPES, QUANTIZED_DTYPE, QUANTIZES, ROUTINGS, SCALE_FORMATS, SCALES,
                    TARGETS, TOKEN_DTYPE_NAMES, variant_name)
 
 # Every Variant made in this process, by name (a name is derived from the axes, so it is the identity):
@@ -48,9 +48,10 @@ def axis_error(axes: dict) -> Optional[tuple]:
     expert_mlp = axes.get("expert_mlp", False)
     if not isinstance(expert_mlp, bool):
         return "expert_mlp", f"expected true or false, got {expert_mlp!r}"
-    if expert_mlp and (axes["dtype"] not in EXPERT_MLP_DTYPES or axes["quantize"] != "none"):
-        return "expert_mlp", (f"the expert MLP takes {', '.join(EXPERT_MLP_DTYPES)} tokens and rows (the dtype of "
-                              f"torch._grouped_mm, which runs its other GEMMs), got dtype {axes['dtype']!r}"
+    if expert_mlp and (axes["dtype"] not in EXPERT_MLP_DTYPES or axes["quantize"] not in EXPERT_MLP_QUANTIZES):
+        return "expert_mlp", (f"the expert MLP takes {', '.join(EXPERT_MLP_DTYPES)} tokens, kept as they are (the "
+                              "dtype of torch._grouped_mm) or quantised 'rowwise' (the scales torch._scaled_grouped_mm "
+                              f"takes on Hopper), got dtype {axes['dtype']!r}"
                               + (f" quantised to {axes['quantize']!r}" if axes["quantize"] != "none" else ""))
     targets = axes.get("targets", TARGETS)  # (the spec checks the list itself)
     if expert_mlp and isinstance(targets, (list, tuple)) and "triton" not in targets:
@@ -121,7 +122,7 @@ class Variant:
 
     def scale_columns(self, hidden: int) -> int:
         """Columns of the scales of a row of `hidden` tokens."""
-        return -(-hidden // self.scale_block)
+        return 1 if self.scale_block == 0 else -(-hidden // self.scale_block)
 
     def bind_torch(self) -> "Variant":
         """Look up the torch dtypes once (before any call is traced): token_dtype, combine_dtype,

@@ -93,24 +93,25 @@ def quantize_ref(tokens: torch.Tensor, kind: str):
     Per block of `cols` channels (the last block of a row may be shorter), with amax = max |x| in fp32:
     - block128: e = ceil(log2(max(amax, 1e-4) / 448)) (2^127 for a block holding NaN or Inf);
       scale = 2^e as fp32; rows x * 2^-e.
+    - rowwise: block128's rule with one block per row: scales [N, 1] fp32.
     - mx32: E = ceil(log2(amax / 448)) + 127 clamped to [0, 254] (0 for amax 0, 0xFF for NaN or
       Inf); scale = E as a uint8 (e8m0); rows x * 2^(127 - E).
     Rows are rounded to nearest even and saturate at +-448; NaN stays NaN.
     """
-    cols = {"block128": 128, "mx32": 32}[kind]
     num_tokens, hidden = tokens.shape
+    cols = {"block128": 128, "mx32": 32, "rowwise": max(hidden, 1)}[kind]
     blocks = -(-hidden // cols)
     x = torch.zeros(num_tokens, blocks * cols, dtype=torch.float32, device=tokens.device)
     x[:, :hidden] = tokens.float()
     x = x.view(num_tokens, blocks, cols)
     amax = x.abs().amax(dim=2)  # NaN propagates
     non_finite = ~torch.isfinite(amax)
-    if kind == "block128":
+    if kind != "mx32":
         amax = amax.clamp(min=1e-4)
     # ceil(log2(amax / 448)) exactly: amax = m * 2^p with m in [0.5, 1) and 448 = 0.875 * 2^9.
     m, p = torch.frexp(amax)
     exponent = p - 9 + (m > 0.875).to(p.dtype)
-    if kind == "block128":
+    if kind != "mx32":
         exponent = torch.where(non_finite, 127, exponent)
         scale = torch.exp2(exponent.float())
     else:
@@ -186,3 +187,76 @@ def unpermute_grads_ref(grad_out, permuted, routes: Routes, merging_probs=None):
         grad_probs[token, col] = (permuted[dst].float() * g).sum(1)
         grad_probs = grad_probs.to(merging_probs.dtype)
     return grad_permuted, grad_probs
+
+
+def dequantize_ref(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The values of float8_e4m3fn rows [R, C] with rowwise scales [R, 1] (or [R]), as float64: a product
+    of two holds 8 significant bits, so a GEMM of them in float64 sums exactly, in any order."""
+    return rows.double() * scale.reshape(-1, 1).double()
+
+
+def fp8_weight_ref(w: torch.Tensor, along: str) -> torch.Tensor:
+    """w [K, N] quantised rowwise along its input dimension K (one scale per column: "in") or along
+    its output dimension N (one scale per row: "out"), dequantised: float64 [K, N]."""
+    if along == "in":
+        return dequantize_ref(*quantize_ref(w.t().contiguous(), "rowwise")).t()
+    return dequantize_ref(*quantize_ref(w.contiguous(), "rowwise"))
+
+
+def _swiglu(h):
+    gate, up = h.chunk(2, dim=1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def fp8_mlp_rows_ref(rows, scale, x_rows, w1, w2, segments):
+    """The FP8 experts on permuted rows (docs/expert_mlp.md, "FP8"), from the definition: every GEMM
+    input quantised rowwise (quantize_ref) along the dimension the GEMM sums over; a scaled GEMM is the
+    exact product of the dequantised operands (float64), stored in bf16.
+
+    rows, scale: the quantised rows; x_rows: the same rows in bf16; segments: (expert, row slice).
+    Returns (out_rows, backward), backward(grad_rows) -> (grad_x_rows, grad_w1, grad_w2): the rows'
+    gradients in FP8 (grad @ w2^T, then dh @ w1^T), the weights' in bf16 from the bf16 rows (x, a)."""
+    bf16 = torch.bfloat16
+    h_rows = torch.zeros(rows.shape[0], w1.shape[2], dtype=bf16)
+    out_rows = torch.zeros(rows.shape[0], w2.shape[2], dtype=bf16)
+    for e, rs in segments:
+        h = (dequantize_ref(rows[rs], scale[rs]) @ fp8_weight_ref(w1[e], "in")).to(bf16)
+        h_rows[rs] = h
+        out_rows[rs] = (dequantize_ref(*quantize_ref(_swiglu(h), "rowwise")) @ fp8_weight_ref(w2[e], "in")).to(bf16)
+
+    def backward(grad_rows):
+        grad_x_rows = torch.zeros(x_rows.shape, dtype=bf16)
+        grad_w1, grad_w2 = torch.zeros(w1.shape, dtype=bf16), torch.zeros(w2.shape, dtype=bf16)
+        for e, rs in segments:
+            h = h_rows[rs].float().requires_grad_()
+            grad_a = dequantize_ref(*quantize_ref(grad_rows[rs], "rowwise")) @ fp8_weight_ref(w2[e], "out").t()
+            (grad_h,) = torch.autograd.grad(_swiglu(h), h, grad_a.to(bf16).float())
+            grad_h = grad_h.to(bf16)
+            grad_x_rows[rs] = (dequantize_ref(*quantize_ref(grad_h, "rowwise")) @ fp8_weight_ref(w1[e], "out").t()).to(bf16)
+            grad_w1[e] = (x_rows[rs].float().t() @ grad_h.float()).to(bf16)
+            grad_w2[e] = (_swiglu(h_rows[rs]).float().t() @ grad_rows[rs].float()).to(bf16)
+        return grad_x_rows, grad_w1, grad_w2
+
+    return out_rows, backward
+
+
+def fp8_expert_mlp_ref(tokens, routing, probs, w1, w2, grad_out, *, routing_kind, num_experts, pad, num_out_tokens):
+    """The FP8 expert layer: permute-quantise, fp8_mlp_rows_ref, unpermute with probs; forward and
+    backward: (y, {tokens, probs, w1, w2: gradient}) for the output gradient grad_out. The tokens'
+    gradient sums each token's rows' gradients (straight through the quantisation)."""
+    rows, _, scale, _, routes = permute_ref(tokens, routing, routing_kind=routing_kind, num_experts=num_experts,
+                                            pad=pad, num_out_tokens=num_out_tokens, quantize="rowwise")
+    x_rows = permute_ref(tokens, routing, routing_kind=routing_kind, num_experts=num_experts, pad=pad,
+                         num_out_tokens=num_out_tokens)[0]
+    out_rows, backward = fp8_mlp_rows_ref(rows, scale, x_rows, w1, w2, fp8_segments(routes, num_experts))
+    y = unpermute_ref(out_rows, routes, tokens.shape[0], probs)
+    grad_rows, grad_probs = unpermute_grads_ref(grad_out, out_rows, routes, probs)
+    grad_x_rows, grad_w1, grad_w2 = backward(grad_rows)
+    grad_tokens = permute_grads_ref(grad_x_rows, routes, tokens.shape[0])[0]
+    return y, dict(tokens=grad_tokens, probs=grad_probs, w1=grad_w1, w2=grad_w2)
+
+
+def fp8_segments(routes: Routes, num_experts: int):
+    """(expert, slice of its rows) of every expert with rows, pad rows included."""
+    start, counts = routes.segment_start.tolist(), routes.tokens_per_expert.tolist()
+    return [(e, slice(start[e], start[e] + counts[e])) for e in range(num_experts) if counts[e] > 0]

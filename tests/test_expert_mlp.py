@@ -12,10 +12,13 @@ import torch
 import torch.nn.functional as F
 
 import permgen
-from cases import DEVICE, HAS_CUDA, Case, expert_ids, generator_for, load, num_out_tokens_for, routing_from_ids, to_device
-from reference import permute_ref, unpermute_ref
+from cases import DEVICE, HAS_CUDA, Case, assert_sum_close, expert_ids, generator_for, load, num_out_tokens_for, routing_from_ids, to_device
+from reference import (fp8_expert_mlp_ref, fp8_mlp_rows_ref, fp8_segments, permute_grads_ref, permute_ref, quantize_ref,
+                       unpermute_ref)
 
-MLP_VARIANTS = sorted(n for n, v in permgen.VARIANTS.items() if v["expert_mlp"] and "triton" in v["targets"])
+MLP_VARIANTS = sorted(n for n, v in permgen.VARIANTS.items()
+                      if v["expert_mlp"] and "triton" in v["targets"] and v["quantize"] == "none")
+FP8_VARIANTS = sorted(n for n, v in permgen.VARIANTS.items() if v["expert_mlp"] and v["quantize"] == "rowwise")
 # H and F are multiples of 8: torch._grouped_mm's rows are 16-byte aligned on the GPU.
 CASES = [
     (Case("basic", N=37, H=40, E=7, k=3), 24),
@@ -246,3 +249,201 @@ def test_expert_mlp_sizes_not_multiples_of_8_are_refused_up_front(hidden, width,
     with pytest.raises(ValueError, match=rf"{name}: {words} .* = {hidden if words == 'H' else width} must be a "
                                          r"multiple of 8"):
         load("triton", name).expert_mlp(tokens, routing, probs, w1, w2, num_experts=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 expert MLP (quantize = "rowwise"): H and F multiples of 16 (fp8 rows of 16-byte multiples)
+# ---------------------------------------------------------------------------------------------
+
+FP8_CASES = [
+    (Case("basic", N=21, H=48, E=5, k=3), 32),
+    (Case("empty", N=0, H=32, E=4, k=2), 16),
+    (Case("dropped", N=17, H=32, E=6, k=3, cap="drop"), 16),
+    (Case("spare_rows", N=11, H=32, E=4, k=2, cap="spare"), 16),
+]
+
+
+# The CPU interpreter truncates fp32 -> bf16 where the GPU rounds (tests/cases.py, assert_products_equal):
+# unpermute's merge and its backward's p * grad land one bf16 step lower, which moves some of the
+# values quantised after them by one fp8 step (1/16). The rows' GEMMs alone are exact
+# (test_fp8_mlp_rows_match_reference); the whole layer is compared as a whole tensor.
+LAYER_BOUND = 5e-2 if torch.device(DEVICE).type == "cpu" else 1e-2
+
+
+def near(got, want, what, bound=LAYER_BOUND):
+    """The same values up to a relative error over the whole tensor."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    error = (got.float().cpu() - want.float().cpu()).norm()
+    assert torch.isfinite(got.float()).all() and error <= bound * want.float().norm() + 1e-6, \
+        f"{what}: relative error {float(error / want.float().norm().clamp(min=1e-30)):.2e}"
+
+
+@pytest.mark.parametrize("name", FP8_VARIANTS)
+def test_fp8_mlp_rows_match_reference(name, request, poisoned_empty):
+    """The FP8 experts between permute and unpermute (the op fp8_mlp) on the quantising permute's
+    rows: the output rows bit for bit the definition's (exact sums of fp8 products, rounded once);
+    given the rows' gradients, the tokens' and weights' gradients within the sums' tolerance."""
+    from permgen.expert_mlp import _row_tokens, _segment_ends
+
+    case, width = Case("rows", N=21, H=48, E=5, k=3), 32
+    g = generator_for(request)
+    variant, (tokens, routing, probs, w1, w2) = make_case(name, case, width, g)
+    mod = load("triton", name)
+    res = mod.permute(tokens, routing, probs, num_experts=case.E)
+    m = res.row_id_map
+    rows, _, scale, _, routes = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E,
+                                            pad=variant["pad"], quantize="rowwise")
+    x_rows = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E, pad=variant["pad"])[0]
+    leaves = [t.clone().requires_grad_() for t in (tokens, w1, w2)]
+    out, _ = mod.expert_mlp.fp8_ops.mlp(leaves[0], res.tokens, res.scale.view(-1), leaves[1], leaves[2],
+                                        mod.expert_mlp.quantize_weights(w1, w2), _segment_ends(m, case.E)[1:],
+                                        _row_tokens(m), m)
+    want, backward = fp8_mlp_rows_ref(rows.cpu(), scale.cpu(), x_rows.cpu(), w1.cpu(), w2.cpu(),
+                                      fp8_segments(routes, case.E))
+    assert torch.equal(out.cpu(), want)
+    grad_rows = torch.randn(out.shape, generator=g).to(out.dtype).to(DEVICE)
+    grad_tokens, grad_w1, grad_w2 = torch.autograd.grad(out, leaves, grad_rows)
+    want_x_rows, want_w1, want_w2 = backward(grad_rows.cpu())
+    assert_sum_close(grad_tokens, permute_grads_ref(want_x_rows, routes, case.N)[0], "grad tokens")
+    assert_sum_close(grad_w1, want_w1, "grad w1")
+    assert_sum_close(grad_w2, want_w2, "grad w2")
+
+
+@pytest.mark.parametrize("case, width", FP8_CASES, ids=[c.name for c, _ in FP8_CASES])
+@pytest.mark.parametrize("name", FP8_VARIANTS)
+def test_fp8_expert_mlp_matches_reference(name, case, width, request, poisoned_empty):
+    """Forward and every gradient against tests/reference.py's FP8 layer, built from the definition
+    (quantize_ref, dequantised fp32 products); a rerun gives the same bits."""
+    g = generator_for(request)
+    variant, (tokens, routing, probs, w1, w2) = make_case(name, case, width, g)
+    needed = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E,
+                         pad=variant["pad"])[0].shape[0]
+    num_out_tokens = num_out_tokens_for(case, needed)
+    mod = load("triton", name)
+    leaves = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
+    y = mod.expert_mlp(leaves[0], routing, leaves[1], leaves[2], leaves[3], num_experts=case.E,
+                       num_out_tokens=num_out_tokens)
+    grad = torch.randn(y.shape, generator=g).to(y.dtype).to(DEVICE)
+    want, want_grads = fp8_expert_mlp_ref(tokens.cpu(), routing.cpu(), probs.cpu(), w1.cpu(), w2.cpu(), grad.cpu(),
+                                          routing_kind=variant["routing"], num_experts=case.E, pad=variant["pad"],
+                                          num_out_tokens=num_out_tokens)
+    near(y, want, "output")
+    got_grads = torch.autograd.grad(y, leaves, grad, allow_unused=True)
+    for label, got in zip(["tokens", "probs", "w1", "w2"], got_grads):
+        if got is None:
+            assert not want_grads[label].any(), label
+            continue
+        near(got, want_grads[label].to(got.dtype), f"grad {label}")
+    # Deterministic; and weights quantised once (as per optimizer step) give the same bits.
+    again = mod.expert_mlp(leaves[0], routing, leaves[1], leaves[2], leaves[3], num_experts=case.E,
+                           num_out_tokens=num_out_tokens, fp8_weights=mod.expert_mlp.quantize_weights(w1, w2))
+    assert torch.equal(again, y)
+    assert all(a is None or torch.equal(a, b) for a, b in
+               zip(torch.autograd.grad(again, leaves, grad, allow_unused=True), got_grads))
+
+
+def test_fp8_row_quantiser_matches_reference(request):
+    """The row quantiser the FP8 layer runs on activations, gradients and weights: bit for bit
+    quantize_ref's rowwise rule, on the quantising permute's edge rows (test_quantize.edge_tokens)."""
+    from permgen.triton_fp8 import quantize_rows
+    from test_quantize import edge_tokens
+
+    x = edge_tokens(16, 83, torch.bfloat16, generator_for(request)).to(DEVICE)
+    rows, scale = quantize_rows(x)
+    want_rows, want_scale = quantize_ref(x, "rowwise")
+    assert torch.equal(rows.view(torch.uint8), want_rows.view(torch.uint8))
+    assert torch.equal(scale, want_scale.view(-1))
+
+
+@pytest.mark.parametrize("name", FP8_VARIANTS)
+def test_fp8_expert_mlp_bad_input(name, request):
+    g = generator_for(request)
+    _, (tokens, routing, probs, w1, w2) = make_case(name, Case("bad", N=6, H=32, E=4, k=2), 16, g)
+    mod = load("triton", name)
+    with pytest.raises(ValueError, match="save_memory=True is for bf16 variants"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, save_memory=True)
+    with pytest.raises(TypeError, match="fp8_weights must be what expert_mlp.quantize_weights"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, fp8_weights=(w1, w2))
+    stale = mod.expert_mlp.quantize_weights(w1[:, :16], w2[:, :, :16])
+    with pytest.raises(ValueError, match=r"fp8_weights.w1 must be contiguous torch.float8_e4m3fn \[4, 32, 32\]"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, fp8_weights=stale)
+    _, (tokens, routing, probs, w1, w2) = make_case(name, Case("odd", N=6, H=24, E=4, k=2), 16, g)
+    with pytest.raises(ValueError, match=r"H \(the tokens' columns\) = 24 must be a multiple of 16"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4)
+    with pytest.raises(ValueError, match="fp8_weights are for the FP8 expert MLP"):
+        load("triton", "probs_bf16_index").expert_mlp(tokens, routing, probs, w1, w2, num_experts=4,
+                                                      fp8_weights=mod.expert_mlp.quantize_weights(w1, w2))
+
+
+@pytest.mark.parametrize("name", FP8_VARIANTS)
+def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
+    """torch.compile(fullgraph=True): one graph, and (aot_eager on the CPU: the same kernels) the same
+    bits as the eager call, forward and gradients; its custom ops pass opcheck."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    case = Case("compile", N=9, H=32, E=3, k=2)
+    g = generator_for(request)
+    _, (tokens, routing, probs, w1, w2) = make_case(name, case, 16, g)
+    mod = load("triton", name)
+
+    def layer(x, p, a, b):
+        return mod.expert_mlp(x, routing, p, a, b, num_experts=case.E, num_out_tokens=case.N * case.k + 8)
+
+    counter = CompileCounterWithBackend("inductor" if HAS_CUDA else "aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    eager_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
+    compiled_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
+    want, got = layer(*eager_in), compiled(*compiled_in)
+    assert counter.frame_count == 1
+    same = torch.equal if not HAS_CUDA else (lambda a, b: near(a, b, "compiled") is None)
+    assert same(got, want)
+    grad = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
+    for a, b in zip(torch.autograd.grad(got, compiled_in, grad), torch.autograd.grad(want, eager_in, grad)):
+        assert same(a, b)
+    torch._dynamo.reset()
+    ops = mod.expert_mlp.fp8_ops.custom_ops
+    # (test_schema compares fp8 tensors with arithmetic the CPU has no fp8 kernel for)
+    utils = ("test_faketensor",)
+    x = tokens[:, :32].contiguous()
+    torch.library.opcheck(ops["fp8_quantize_rows"], (x,), test_utils=utils)
+    q, s = mod.expert_mlp.fp8_ops.quantize_rows(x)
+    weights = mod.expert_mlp.quantize_weights(w1, w2)
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32, device=x.device)
+    torch.library.opcheck(ops["fp8_scaled_grouped_mm"], (q, s, weights.w1.transpose(1, 2), weights.w1_scale, offs),
+                          test_utils=utils)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="torch._scaled_grouped_mm needs the GPU")
+@pytest.mark.parametrize("name", FP8_VARIANTS)
+def test_fp8_expert_mlp_real_shape(name):
+    """Qwen3-like at N=2048 on the H200: torch._scaled_grouped_mm against its CPU emulation (the
+    definition), and the layer within 20 dB of the bf16 layer, output and every gradient."""
+    from permgen.fp8_gemm import emulated_scaled_grouped_mm, scaled_grouped_mm
+
+    mod, bf16 = load("triton", name), load("triton", "probs_bf16_index")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    N, H, E, k, width = 2048, 2048, 128, 8, 768
+    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
+    top, ids = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
+    ids, probs = ids.to(torch.int32), top.contiguous()
+    w1 = (torch.randn(E, H, 2 * width, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, width, H, device="cuda", generator=g) * width ** -0.5).to(torch.bfloat16)
+    weights = mod.expert_mlp.quantize_weights(w1, w2)
+    res = mod.permute(x, ids, probs, num_experts=E)
+    offs = (res.row_id_map.segment_offsets[1:E + 1]).to(torch.int32)
+    gpu = scaled_grouped_mm(res.tokens, res.scale.view(-1), weights.w1.transpose(1, 2), weights.w1_scale, offs)
+    cpu = emulated_scaled_grouped_mm(*(t.cpu() for t in (res.tokens, res.scale.view(-1),
+                                                         weights.w1.transpose(1, 2), weights.w1_scale, offs)))
+    rows = int(offs[-1])
+    close(gpu[:rows].cpu(), cpu[:rows], "torch._scaled_grouped_mm against its definition")
+    leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
+    ref_leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
+    y = mod.expert_mlp(*leaves[:1], ids, *leaves[1:], num_experts=E)
+    want = bf16.expert_mlp(*ref_leaves[:1], ids, *ref_leaves[1:], num_experts=E)
+    grad = torch.randn(y.shape, device="cuda", generator=g).to(torch.bfloat16)
+    pairs = [("output", y, want)] + list(zip(["x", "probs", "w1", "w2"], torch.autograd.grad(y, leaves, grad),
+                                              torch.autograd.grad(want, ref_leaves, grad)))
+    for label, a, b in pairs:
+        sqnr = 10 * torch.log10(b.float().pow(2).sum() / (a.float() - b.float()).pow(2).sum())
+        assert sqnr >= 20, f"{label}: {float(sqnr):.1f} dB"

@@ -110,7 +110,7 @@ def test_module_fingerprint_is_of_variant_and_template_bytes(variants, outputs):
     env = render.make_environment()
     for target in MODULE_TEMPLATES:
         tbytes = render._template_bytes(env, target)
-        for v in variants:
+        for v in (v for v in variants if target in v.targets):
             header = texts[f"{target}/{v.name}.py"].splitlines()[0]
             assert f"(fingerprint {fingerprint(v, tbytes)})" in header
 

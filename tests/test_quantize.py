@@ -111,6 +111,10 @@ def test_reference_scale_definitions():
     assert scale[:, 0].tolist() == [0, 127, 128, 127 - 108, 255, 0]
     assert scale[5].tolist() == [0, 0, 0, 0, 255]
     assert rows.view(torch.uint8)[1, 0].item() == 0x7E  # 448
+    rows, scale = quantize_ref(x, "rowwise")  # block128's rule, one block per row
+    assert scale.dtype == torch.float32 and scale.shape == (6, 1)
+    assert scale[:, 0].tolist() == [2.0 ** -22, 1.0, 2.0, 2.0 ** -22, 2.0 ** 127, 2.0 ** 127]
+    assert rows.view(torch.uint8)[5, 130].item() == 0x7E and rows.view(torch.uint8)[5, 0].item() == 0  # Inf; 0 * 2^-127
 
 
 @pytest.mark.parametrize("target,name", TARGET_VARIANTS)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from permgen.axes import TRITON_ONLY_QUANTIZES
 from generator.spec import (
     DTYPES,
     FP8_DTYPES,
@@ -33,7 +34,7 @@ SPEC_PATH = "specs/team_variants.toml"  # a path that is not the default, so the
 GOOD_PADS = [0] + [2**i for i in range(1, MAX_PAD.bit_length())]
 CANONICAL = re.compile(
     r"^(?P<probs>probs_)?(?:pad(?P<pad>\d+)_)?(?P<dtype>bf16|fp16|fp32|fp8e4m3|fp8e5m2)"
-    r"(?:_(?P<scale>block128|mx32))?(?:_to_fp8e4m3_(?P<quantize>block128|mx32))?_(?P<routing>mask|index)$"
+    r"(?:_(?P<scale>block128|mx32))?(?:_to_fp8e4m3_(?P<quantize>block128|mx32|rowwise))?_(?P<routing>mask|index)$"
 )
 
 
@@ -81,7 +82,8 @@ def valid_matrix():
         for scale in SCALES if dtype in FP8_DTYPES else ("none",):
             yield dict(dtype=dtype, routing=routing, probs=probs, scale=scale, pad=pad)
         for quantize in QUANTIZES[1:] if dtype in QUANTIZABLE_DTYPES else ():
-            yield dict(dtype=dtype, routing=routing, probs=probs, scale="none", quantize=quantize, pad=pad)
+            axes = dict(dtype=dtype, routing=routing, probs=probs, scale="none", quantize=quantize, pad=pad)
+            yield {**axes, "targets": ["triton"]} if quantize in TRITON_ONLY_QUANTIZES else axes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +257,14 @@ def test_quantize_values(value):
     assert_names(spec_error(spec_text(dict(dtype="bf16", routing="index", quantize=value))), "variant #1", "quantize")
 
 
+def test_rowwise_is_triton_only_so_far():
+    msg = spec_error(spec_text(dict(dtype="bf16", routing="index", quantize="rowwise")))
+    assert_names(msg, "variant #1", "targets")
+    assert "Triton target only" in msg, msg
+    (v,) = parse_spec(spec_text(dict(dtype="bf16", routing="index", quantize="rowwise", targets=["triton"])), SPEC_PATH)
+    assert v.name == "probs_bf16_to_fp8e4m3_rowwise_index" and v.scale_columns(7168) == 1
+
+
 @pytest.mark.parametrize("targets, words", [
     ([], "non-empty list"),
     ("triton", "non-empty list"),
@@ -413,10 +423,10 @@ def test_targets_are_not_part_of_the_name():
 
 def test_whole_matrix_names_are_distinct_canonical_identifiers():
     matrix = list(valid_matrix())
-    assert len(matrix) == 3 * 2 * 2 * 3 * len(GOOD_PADS) + 2 * 2 * 2 * 3 * len(GOOD_PADS)
+    assert len(matrix) == 3 * 2 * 2 * 3 * len(GOOD_PADS) + 3 * len(QUANTIZES[1:]) * 2 * 2 * len(GOOD_PADS)
     names = {}
     for axes in matrix:
-        name = variant_name(Variant(targets=TARGETS, **axes))
+        name = variant_name(Variant(**{"targets": TARGETS, **axes}))
         assert name.isidentifier() and not keyword.iskeyword(name), name
         assert name == name.lower() and not name.startswith("_"), name
         m = CANONICAL.match(name)
@@ -434,7 +444,7 @@ def test_whole_matrix_names_are_distinct_canonical_identifiers():
 
 def test_whole_matrix_as_one_spec():
     """All valid combinations in one file: accepted, no duplicates, and each name= key matches."""
-    entries = [dict(name=variant_name(Variant(targets=TARGETS, **axes)), **axes) for axes in valid_matrix()]
+    entries = [dict(name=variant_name(Variant(**{"targets": TARGETS, **axes})), **axes) for axes in valid_matrix()]
     variants = parse_spec(spec_text(*entries), SPEC_PATH)
     assert [v.name for v in variants] == [e["name"] for e in entries]
     assert len({v.name for v in variants}) == len(variants)

@@ -1,0 +1,97 @@
+"""float8_e4m3fn conversion written once: the helpers the quantising permute kernels import
+(templates/triton/_quantize.py.jinja) and the row quantiser of the FP8 expert MLP (permgen.fp8_gemm).
+
+Scales are powers of two whose exponent is read from the bits of a row's (or block's) amax, and
+the conversion rounds to nearest even and saturates at +-448, so the CPU interpreter, the GPU and
+the plain-PyTorch reference (tests/reference.py, quantize_ref) agree bit for bit
+(docs/quantization.md).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ceil_exponent(amax_bits):
+    """ceil(log2(amax / 448)) + 127, at least 0, exactly, from the bits of a finite amax >= 0.
+
+    amax = m * 2^(b - 127) with m in [1, 2) and 448 = 1.75 * 2^8: the quotient lies in
+    (2^(b - 136), 2^(b - 135)] when m <= 1.75 (mantissa bits <= 0x600000), else in (2^(b - 135), 2^(b - 134))."""
+    return tl.maximum((amax_bits >> 23) - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32), 0)
+
+
+@triton.jit
+def fp8_e4m3_bytes(y, HARDWARE_CAST: tl.constexpr):
+    """y (fp32) as float8_e4m3fn bytes, rounded to nearest even, saturating at +-448; NaN stays NaN.
+
+    HARDWARE_CAST: the GPU's saturating conversion. Otherwise the same rounding in integer
+    arithmetic (the CPU interpreter's fp8 cast neither rounds to even nor saturates)."""
+    if HARDWARE_CAST:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    is_normal = magnitude >= 0x3C800000  # 2^-6, the smallest normal fp8
+    # Normal fp8: keep 3 mantissa bits, ties to even; the fp8 exponent bias is 7, fp32's 127.
+    rounded = tl.minimum(magnitude, 0x43E00000) + 0x7FFFF + ((magnitude >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    # Subnormal fp8: multiples of 2^-9; adding and removing 2^23 rounds |y| * 2^9 to an integer, ties to even.
+    small = tl.where(is_normal, 0, magnitude).to(tl.float32, bitcast=True)
+    subnormal = ((small * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(is_normal, normal, subnormal)
+    code = tl.where(magnitude >= 0x43E00000, 0x7E, code)  # 448 and above (Inf included) saturate
+    code = tl.where(magnitude > 0x7F800000, 0x7F, code)  # NaN
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _bf16_bits_as_fp32(bits):
+    """bf16 values passed as their int16 bits, as fp32: the bits followed by 16 zero bits (exact for
+    subnormals too, which the CPU interpreter's bf16 cast gets wrong)."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         HARDWARE_CAST: tl.constexpr):
+    """ROWS rows of bf16 x [rows, cols] (as int16 bits) per program: float8_e4m3fn bytes and one fp32
+    scale per row, the rowwise rule of the quantising permute (block128's over the whole row). A first
+    pass finds each row's amax, a second (its loads served by the cache) scales and converts."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = row < rows
+    base = row.to(tl.int64)[:, None] * cols
+    amax_bits = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+    for c0 in range(0, cols, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        bits = tl.load(x_ptr + base + col[None, :], mask=live[:, None] & (col < cols)[None, :], other=0)
+        amax_bits = tl.maximum(amax_bits, _bf16_bits_as_fp32(bits).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    amax_bits = tl.max(amax_bits, axis=1)
+    non_finite = amax_bits >= 0x7F800000
+    # amax clamped below at 1e-4 (0x38D1B717); a non-finite row gets the scale 2^127 and the factor
+    # 2^-127, applied as 2^-126 and then 1/2 (a subnormal factor may be flushed to zero on the GPU).
+    exponent = tl.where(non_finite, 254, ceil_exponent(tl.maximum(amax_bits, 0x38D1B717)))
+    factor = (tl.maximum(254 - exponent, 1) << 23).to(tl.float32, bitcast=True)
+    tail = tl.where(non_finite, 0.5, 1.0)
+    for c0 in range(0, cols, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        where = live[:, None] & (col < cols)[None, :]
+        x = _bf16_bits_as_fp32(tl.load(x_ptr + base + col[None, :], mask=where, other=0))
+        tl.store(out_ptr + base + col[None, :], fp8_e4m3_bytes(x * factor[:, None] * tail[:, None], HARDWARE_CAST),
+                 mask=where)
+    tl.store(scale_ptr + row, (exponent << 23).to(tl.float32, bitcast=True), mask=live)
+
+
+def quantize_rows(x):
+    """(float8_e4m3fn [R, C], fp32 scales [R]) of a contiguous bf16 x [R, C]: x = rows * scale[:, None]
+    up to the fp8 rounding."""
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if rows and cols:
+        block = min(1024, triton.next_power_of_2(cols))
+        # Narrow rows: several per program, so that a program still moves a few KiB.
+        per_program = max(1, min(16, 2048 // block))
+        quantize_rows_kernel[(triton.cdiv(rows, per_program),)](
+            x.view(torch.int16), out, scale, rows, cols, BLOCK=block, ROWS=per_program,
+            HARDWARE_CAST=x.device.type == "cuda", num_warps=4)
+    return out.view(torch.float8_e4m3fn), scale
