@@ -2,6 +2,10 @@
 save_memory=True, whose first GEMM gathers the tokens through the row map) against the same layer
 with permgen's standalone permute / unpermute, a PyTorch-native permutation, and the same GEMMs on
 rows already grouped (no permutation at all); and the activation memory each keeps for backward.
+Beside them, the FP8 expert_mlp (variant probs_pad16_bf16_to_fp8e4m3_rowwise_index: rows quantised
+on permute, torch._scaled_grouped_mm) with its weights quantised once per step (fp8_weights, as a
+training step with several micro-batches reuses them) and quantised in every call, and its
+signal-to-quantisation-noise ratio against the bf16 expert_mlp, output and every gradient.
 
     python3 benchmarks/bench_layer.py --out benchmarks/results      (part of `make bench`)
 
@@ -74,7 +78,16 @@ def torch_layer(x, ids, probs, w1, w2, E):
     return torch.zeros_like(x).index_add_(0, order // k, out * weights[:, None])
 
 
-def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
+def sqnr_db(got, want):
+    """10 log10(|want|^2 / |got - want|^2), summed in chunks (no fp32 copy of a whole weight gradient)."""
+    signal = noise = 0.0
+    for a, b in zip(got.detach().reshape(-1).split(1 << 26), want.detach().reshape(-1).split(1 << 26)):
+        signal += float(b.float().pow(2).sum())
+        noise += float((a.float() - b.float()).pow(2).sum())
+    return round(10 * torch.log10(torch.tensor(signal / max(noise, 1e-30))).item(), 1)
+
+
+def run_shape(name, N, H, E, k, Fw, mod, fp8_mod, iters, reps):
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     top, ids = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
@@ -119,10 +132,33 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
             torch.autograd.grad(out, inputs, grad)
         return run
 
+    # The FP8 layer against the bf16 one: SQNR of the output and of every gradient.
+    fp8_weights = fp8_mod.expert_mlp.quantize_weights(w1.detach(), w2.detach())
+
+    def fp8_layer():
+        return fp8_mod.expert_mlp(x, ids, probs, w1, w2, num_experts=E, num_out_tokens=N * k, fp8_weights=fp8_weights)
+
+    def fp8_layer_quantizing_weights():
+        return fp8_mod.expert_mlp(x, ids, probs, w1, w2, num_experts=E, num_out_tokens=N * k)
+
+    ref, ours = one_call(), fp8_layer()
+    sqnr = {"y": sqnr_db(ours, ref)}
+    for label, a, b in zip(["grad_x", "grad_probs", "grad_w1", "grad_w2"], torch.autograd.grad(ours, leaves, grad_y),
+                           torch.autograd.grad(ref, leaves, grad_y)):
+        sqnr[label] = sqnr_db(a, b)
+        del a, b
+    del ref, ours
+
     m = pre.row_id_map
     row_token = _row_tokens(m)
     bounds = _segment_ends(m, E)
     times = {
+        "layer_fp8": timed(step(fp8_layer, leaves, grad_y), iters, reps),
+        "layer_fp8_quantizing_weights": timed(step(fp8_layer_quantizing_weights, leaves, grad_y), iters, reps),
+        "fp8_quantize_weights": timed(lambda: fp8_mod.expert_mlp.quantize_weights(w1.detach(), w2.detach()),
+                                      iters, reps),
+        "fwd_fp8": timed(lambda: fp8_layer(), iters, reps),
+        "fwd_expert_mlp": timed(lambda: one_call(), iters, reps),
         "layer_fused": timed(step(fused, leaves, grad_y), iters, reps),
         "layer_expert_mlp": timed(step(one_call, leaves, grad_y), iters, reps),
         "layer_standalone": timed(step(standalone, leaves, grad_y), iters, reps),
@@ -138,8 +174,9 @@ def run_shape(name, N, H, E, k, Fw, mod, iters, reps):
         "permute": timed(lambda: mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k), iters, reps),
     }
     kept = {"fused": kept_mib(fused), "standalone": kept_mib(standalone)}
+    del fp8_weights
     return dict(shape=name, N=N, H=H, E=E, k=k, F=Fw, time_us=times, max_rel_error=errors,
-                activation_mib_kept_for_backward=kept)
+                activation_mib_kept_for_backward=kept, fp8_sqnr_db=sqnr)
 
 
 def kept_mib(forward):
@@ -196,6 +233,7 @@ def main():
         render(args.out)
         return
     mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True)
+    fp8_mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True, quantize="rowwise", pad=16)
     if args.sweep:  # writes bench_layer_sweep.txt, the source of permgen/triton_gemm.py's tile choice
         lines = [f"permgen gather GEMM tile sweep, {torch.cuda.get_device_name()} (torch {torch.__version__}, Triton "
                  f"{triton.__version__}): us per call of the first GEMM at each layer shape", ""]
@@ -207,7 +245,7 @@ def main():
         return
     results = []
     for shape in SHAPES + SMALL_SHAPES:
-        results.append(run_shape(*shape, mod, args.iters, args.reps))
+        results.append(run_shape(*shape, mod, fp8_mod, args.iters, args.reps))
         print(json.dumps(results[-1]), flush=True)
         torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
@@ -233,6 +271,15 @@ def report(run):
                      .format(**t))
         lines.append(f"  first GEMM: gather {t['gemm1_gather']} vs torch._grouped_mm {t['gemm1_grouped_mm']} "
                      f"({t['gemm1_gather'] / t['gemm1_grouped_mm']:.2f}x), permute {t['permute']}")
+        if "layer_fp8" in t:
+            sq = r["fp8_sqnr_db"]
+            lines.append(f"  FP8 expert_mlp fwd+bwd: weights quantised once per step {t['layer_fp8']} "
+                         f"({t['layer_fp8'] / t['layer_expert_mlp']:.3f}x bf16 expert_mlp), in every call "
+                         f"{t['layer_fp8_quantizing_weights']} "
+                         f"({t['layer_fp8_quantizing_weights'] / t['layer_expert_mlp']:.3f}x); quantize_weights "
+                         f"{t['fp8_quantize_weights']}; forward {t['fwd_fp8']} vs bf16 {t['fwd_expert_mlp']} "
+                         f"({t['fwd_fp8'] / t['fwd_expert_mlp']:.3f}x)")
+            lines.append("  FP8 SQNR against bf16, dB: " + "  ".join(f"{key} {value}" for key, value in sq.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -242,7 +289,10 @@ def plot(run, path):
     import matplotlib.pyplot as plt
 
     bars = [("layer_grouped_rows", "GEMMs on grouped rows"), ("layer_expert_mlp", "expert_mlp"),
-            ("layer_fused", "expert_mlp(save_memory=True)"), ("layer_torch", "PyTorch permutation")]
+            ("layer_fused", "expert_mlp(save_memory=True)"), ("layer_torch", "PyTorch permutation"),
+            ("layer_fp8", "FP8 expert_mlp (weights quantised per step)"),
+            ("layer_fp8_quantizing_weights", "FP8 expert_mlp (weights quantised per call)")]
+    bars = [(key, label) for key, label in bars if all(key in r["time_us"] for r in run["results"])]
     results = run["results"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(bars)
@@ -254,7 +304,7 @@ def plot(run, path):
                   [f"{r['shape']}\nN={r['N']}" for r in results], fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_ylabel("time / GEMMs on grouped rows")
-    ax.set_title(f"MoE expert layer, forward + backward, bf16 SwiGLU, {run['meta']['gpu']}")
+    ax.set_title(f"MoE expert layer, forward + backward, SwiGLU, {run['meta']['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

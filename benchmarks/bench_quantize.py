@@ -6,7 +6,8 @@ For each shape, the quantising permute (called as users call it: no topk hint; n
 rows the routing needs, so nothing is read back) against
   (a) the bf16 permute of the same routing (the variant without `quantize`),
   (b) the separate path: a Triton per-token-group quantisation kernel (same scales and bytes),
-      then the FP8 permute that moves the bytes and scales,
+      then the FP8 permute that moves the bytes and scales (rowwise: permgen's row quantiser, then
+      the FP8 permute of the bytes alone -- no variant moves [N, 1] scales -- a lower bound),
   (c) the routing-free broadcast of the same bytes (each bf16 row read once, written as k one-byte
       rows plus scales to expert-sorted rows): permute's practical ceiling,
 and the copy floor (the bytes the op must move at device-to-device copy bandwidth, measured in the
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # the generator renders the comparison variants the spec does not list
 
 import permgen  # noqa: E402
+from permgen.triton_fp8 import quantize_rows  # noqa: E402
 from bench import copy_bandwidth, expert_sorted_rows, graph_us  # noqa: E402
 
 SHAPES = [  # name, N, H, E, k
@@ -43,8 +45,9 @@ SHAPES = [  # name, N, H, E, k
 ]
 # The quantising variants of the spec; each is compared with the bf16 variant and the FP8 variant
 # (moving the scales) with the same routing, probs and padding.
-QUANTIZING = ["probs_bf16_to_fp8e4m3_block128_index", "pad32_bf16_to_fp8e4m3_mx32_mask"]
-GROUP = {"block128": 128, "mx32": 32}
+QUANTIZING = ["probs_bf16_to_fp8e4m3_block128_index", "pad32_bf16_to_fp8e4m3_mx32_mask",
+              "probs_pad16_bf16_to_fp8e4m3_rowwise_index"]
+GROUP = {"block128": 128, "mx32": 32, "rowwise": 1024}  # rowwise: (c) writes one word per row (one step of 1024)
 
 
 AXES = ("dtype", "routing", "probs", "scale", "quantize", "pad")
@@ -73,7 +76,8 @@ def comparison_modules(name):
     """(the quantising module, the bf16 module, the FP8 module of the separate path) for a quantising variant."""
     axes = {a: permgen.VARIANTS[name][a] for a in AXES}
     bf16 = variant_module(**{**axes, "quantize": "none"})
-    fp8 = variant_module(**{**axes, "dtype": "fp8_e4m3", "scale": axes["quantize"], "quantize": "none"})
+    scale = "none" if axes["quantize"] == "rowwise" else axes["quantize"]
+    fp8 = variant_module(**{**axes, "dtype": "fp8_e4m3", "scale": scale, "quantize": "none"})
     return variant_module(**axes), bf16, fp8
 
 
@@ -162,16 +166,18 @@ def run(name, N, H, E, k, qname, copy_bw):
     moved = N * H * 2 + M * H + M * S * scale_bytes + (0 if probs is None else M * 4)
     row.update(quantising_us=quantising, bf16_permute_us=plain, bytes=moved, floor_us=moved / copy_bw * 1e6)
 
-    def separate():
-        q, s = group_quant(tokens, kind)
-        return fp8.permute(q, routing, probs, s, **kw)
+    quantize = (lambda: quantize_rows(tokens)) if kind == "rowwise" else (lambda: group_quant(tokens, kind))
 
-    # The separate path gives the same rows and scales.
+    def separate():
+        q, s = quantize()
+        return fp8.permute(q, routing, probs, None if kind == "rowwise" else s, **kw)
+
+    # The separate path gives the same rows and scales (rowwise: the same rows).
     sep, ours = separate(), mod.permute(tokens, routing, probs, **kw)
     row["separate_matches"] = bool(torch.equal(sep.tokens.view(torch.uint8), ours.tokens.view(torch.uint8))
-                                   and torch.equal(sep.scale, ours.scale))
+                                   and (kind == "rowwise" or torch.equal(sep.scale, ours.scale)))
     row["separate_us"] = graph_us(separate)
-    row["group_quant_us"] = graph_us(lambda: group_quant(tokens, kind))
+    row["group_quant_us"] = graph_us(quantize)
     rows = expert_sorted_rows(N, E, k)
     out = torch.empty(N * k, H, dtype=torch.uint8, device="cuda")
     out_scale = torch.empty(N * k, S, dtype=first.scale.dtype, device="cuda")
