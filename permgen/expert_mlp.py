@@ -23,10 +23,9 @@ atomic adds, whose result depends on that order.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .contract import check_tensor
-from .fp8_gemm import Fp8ExpertWeights, Fp8Ops, quantize_expert_weights
+from .fp8_gemm import Fp8ExpertWeights, Fp8Ops, quantize_expert_weights, swiglu
 from .triton_gemm import GatherOps
 
 
@@ -39,11 +38,6 @@ def _row_tokens(row_id_map):
     row_token = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=where.device)
     row_token.scatter_(0, where, tokens.repeat_interleave(row_id_map.width))
     return row_token[:num_rows]
-
-
-def _swiglu(h):
-    gate, up = h.chunk(2, dim=1)
-    return F.silu(gate) * up
 
 
 def _segment_ends(row_id_map, experts):
@@ -95,14 +89,14 @@ def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_exper
     if not save_memory:
         res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
         offs = _segment_ends(res.row_id_map, experts)[1:]
-        out = torch._grouped_mm(_swiglu(torch._grouped_mm(res.tokens, w1, offs=offs)), w2, offs=offs)
+        out = torch._grouped_mm(swiglu(torch._grouped_mm(res.tokens, w1, offs=offs)), w2, offs=offs)
         return ops.unpermute(out, res.row_id_map, probs)
     with torch.no_grad():  # permute's routing alone: the row map, no rows moved
         res = ops.permute(tokens.new_empty((tokens.shape[0], 0)), routing, route_probs, num_experts=experts,
                           num_out_tokens=num_out_tokens, topk=topk)
     ends = _segment_ends(res.row_id_map, experts)
     h = gather_ops.gather_gemm(tokens.contiguous(), _row_tokens(res.row_id_map), w1, ends, res.row_id_map)
-    out = torch._grouped_mm(_swiglu(h), w2, offs=ends[1:])
+    out = torch._grouped_mm(swiglu(h), w2, offs=ends[1:])
     return ops.unpermute(out, res.row_id_map, probs)
 
 

@@ -72,7 +72,8 @@ def scaled_grouped_mm(a, a_scale, b, b_scale, offs):
     return emulated_scaled_grouped_mm(a, a_scale, b, b_scale, offs)
 
 
-def _swiglu(h):
+def swiglu(h):
+    """SwiGLU of h [M, 2F]: the gate's F columns, then the up projection's."""
     gate, up = h.chunk(2, dim=1)
     return F.silu(gate) * up
 
@@ -128,7 +129,7 @@ class Fp8Ops(_Registered):
     def _mlp(tokens, rows, row_scale, w1, w2, w1_q, w1_scale, w1_t, w1_t_scale, w2_q, w2_scale, w2_t, w2_t_scale,
              offs, row_token, row_map, num_tokens, width, num_experts):
         h = scaled_grouped_mm(rows, row_scale, w1_q.transpose(1, 2), w1_scale, offs)
-        a, a_scale = quantize_rows(_swiglu(h))
+        a, a_scale = quantize_rows(swiglu(h))
         return scaled_grouped_mm(a, a_scale, w2_q.transpose(1, 2), w2_scale, offs), h
 
     @staticmethod
@@ -159,7 +160,7 @@ class Fp8Ops(_Registered):
             x = self.gather_ops.op["gather_rows"](tokens, row_token)
             grad_w1 = torch._grouped_mm(x.t(), grad_h, offs=offs)
         if needs[4]:
-            grad_w2 = torch._grouped_mm(_swiglu(h).t(), grad_out, offs=offs)
+            grad_w2 = torch._grouped_mm(swiglu(h).t(), grad_out, offs=offs)
         return (grad_tokens, None, None, grad_w1, grad_w2) + (None,) * 14
 
     def quantize_rows(self, x):

@@ -100,7 +100,7 @@ def quantize_ref(tokens: torch.Tensor, kind: str):
     """
     num_tokens, hidden = tokens.shape
     cols = {"block128": 128, "mx32": 32, "rowwise": max(hidden, 1)}[kind]
-    blocks = -(-hidden // cols)
+    blocks = 1 if kind == "rowwise" else -(-hidden // cols)  # rowwise: a scale even for a row of no columns
     x = torch.zeros(num_tokens, blocks * cols, dtype=torch.float32, device=tokens.device)
     x[:, :hidden] = tokens.float()
     x = x.view(num_tokens, blocks, cols)
