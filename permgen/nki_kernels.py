@@ -331,7 +331,7 @@ def _compact_slot(dst_rows, experts, slot, rows, kept, position, dest, expert_id
     """Column `slot` of the token tile's dst rows and experts ([rows, 1] int32): the kept route whose
     position is slot + 1 (a one-hot select along the experts), -1 where the token has no such route.
 
-    slot: a Python int, or a [P, 1] fp32 tile holding slot + 1 (inside a dynamic loop)."""
+    slot: a Python int, or a [P, 1] fp32 tile holding slot + 1 (inside the device loop)."""
     num_experts = kept.shape[1]
     pick = nl.ndarray((P, num_experts), dtype=nl.float32, buffer=nl.sbuf)
     target = float(slot + 1) if isinstance(slot, int) else slot
