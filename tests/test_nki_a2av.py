@@ -15,6 +15,7 @@ these tests run on the emulator only.)
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -252,6 +253,10 @@ def test_combine_checks_its_arguments():
         unpermute_a2av(expert_output, order.numpy(), counts.numpy(), probs.numpy().astype(np.float16), group)
     with pytest.raises(ValueError, match="generation must be one of"):
         unpermute_a2av(expert_output, order.numpy(), counts.numpy(), probs.numpy(), group, generation="trn1")
+    # The combine computes with its rows: float8_e4m3fn is no Trainium2 data type (NCC_EVRF051).
+    with pytest.raises(TypeError, match="float8_e4m3fn.*NCC_EVRF051"):
+        unpermute_a2av(expert_output.astype(ml_dtypes.float8_e4m3fn), order.numpy(), counts.numpy(), probs.numpy(),
+                       group)
     # One column per rank of the rank-list: ReplicaGroup documents no field to read the rank-lists from, so
     # the kernel's first collective (one count per peer) is what refuses two columns for three ranks.
     three = ReplicaGroup([[0, 1, 2]])
