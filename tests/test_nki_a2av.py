@@ -153,6 +153,17 @@ def test_permute_a2av_matches_reference(generation, ep, sends, lnc):
     check(run_dispatch(ranks, capacity, generation=generation, lnc=lnc), want, 72)
 
 
+def test_dispatch_on_neuron_sdk_2_32():
+    """The a2av kernels on the other release they are written for, SDK 2.32 (NKI 0.6): Trn3's all_to_all, and
+    Trn2's all_to_all_v on an inter-node rank-list (2.32 allows it on no other); within one instance it fails."""
+    ranks, capacity = make_rank_inputs(DEEP[0], 4, stable_seed("sdk 2.32"), hidden=24)
+    want = reference(ranks, 4, 24, capacity)
+    check(run_dispatch(ranks, capacity, generation="trn3", platform=Platform("trn3", lnc=2, sdk="2.32")), want, 24)
+    check(run_dispatch(ranks, capacity, platform=Platform("trn2", ranks_per_node=1, sdk="2.32")), want, 24)
+    with pytest.raises(EmulatorError, match="on SDK 2.32 on trn2 needs an inter-node rank-list"):
+        run_dispatch(ranks, capacity, platform=Platform("trn2", sdk="2.32"))
+
+
 @pytest.mark.parametrize("ep", [8, 16])
 def test_packed_exchange_on_whole_trn3_devices(ep):
     """exchange="all_to_all_v_packed" where the caller vouches for whole devices (rank-lists of 4 ranks per
