@@ -135,10 +135,10 @@ for name, (M, H, Fw, E) in shapes.items():
         a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         b = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16).transpose(-2, -1)
         aq = a.to(f8); bq = b.to(f8); sa = torch.ones(M, device=dev); sb = torch.ones(E, N, device=dev)
-        tb = do_bench(lambda: torch._grouped_mm(a, b, offs=offs), warmup=5, rep=40)
-        tf = do_bench(lambda: torch._scaled_grouped_mm(aq, bq, sa, sb, offs=offs, out_dtype=torch.bfloat16), warmup=5, rep=40)
+        tb = do_bench(lambda: torch._grouped_mm(a, b, offs=offs), warmup=3, rep=15)
+        tf = do_bench(lambda: torch._scaled_grouped_mm(aq, bq, sa, sb, offs=offs, out_dtype=torch.bfloat16), warmup=3, rep=15)
         try:
-            tff = do_bench(lambda: torch._scaled_grouped_mm(aq, bq, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True), warmup=5, rep=40)
+            tff = do_bench(lambda: torch._scaled_grouped_mm(aq, bq, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True), warmup=3, rep=15)
         except Exception:
             tff = float("nan")
         print(f"{name:8} {label:22} {tb:8.3f} {tf:8.3f} {tff:8.3f} {tf / tb:6.2f}")
@@ -146,10 +146,10 @@ for name, (M, H, Fw, E) in shapes.items():
     for label, K, N in (("wgrad1 xT@dh [E,H,2F]", H, 2 * Fw), ("wgrad2 aT@dy [E,F,H]", Fw, H)):
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         d = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-        tb = do_bench(lambda: torch._grouped_mm(x.t(), d, offs=offs), warmup=5, rep=40)
+        tb = do_bench(lambda: torch._grouped_mm(x.t(), d, offs=offs), warmup=3, rep=15)
         xq = x.t().contiguous().to(f8); dq = d.t().contiguous().t().to(f8)
         try:
-            tf = do_bench(lambda: torch._scaled_grouped_mm(xq, dq, torch.ones(E * K, device=dev), torch.ones(E * N, device=dev), offs=offs, out_dtype=torch.bfloat16), warmup=5, rep=40)
+            tf = do_bench(lambda: torch._scaled_grouped_mm(xq, dq, torch.ones(E * K, device=dev), torch.ones(E * N, device=dev), offs=offs, out_dtype=torch.bfloat16), warmup=3, rep=15)
         except Exception as e:
             print("  wgrad fp8 failed:", str(e)[:200]); tf = float("nan")
         print(f"{name:8} {label:22} {tb:8.3f} {tf:8.3f} {'':>8} {tf / tb:6.2f}")
@@ -159,8 +159,8 @@ for name, (M, H, Fw, E) in shapes.items():
     def quant_w():
         amax = w.abs().amax(1).float().clamp(min=1e-4)
         return (w / (amax / 448)[:, None, :]).to(f8), amax
-    tq = do_bench(quant_w, warmup=2, rep=20)
-    tc = do_bench(lambda: w.clone(), warmup=2, rep=20)
+    tq = do_bench(quant_w, warmup=1, rep=8)
+    tc = do_bench(lambda: w.clone(), warmup=1, rep=8)
     print(f"{name:8} w1 quant (torch ops)   {tq:8.3f} ms; clone of w1 {tc:.3f} ms ({w.numel() * 2 / 2**30:.2f} GiB)")
     del w
     torch.cuda.empty_cache()

@@ -271,8 +271,10 @@ def ep_estimate_table(ep):
 
 def layer_table(layer):
     """The expert layer, forward + backward (bench_layer.json): ms, ratios to the GEMMs on grouped
-    rows, activation memory kept for the backward pass, and the gather GEMM against torch._grouped_mm."""
+    rows, activation memory kept for the backward pass, the gather GEMM against torch._grouped_mm,
+    and the FP8 expert_mlp (weights quantised once per step / in the call) with its lowest SQNR."""
     rows = []
+    fp8 = all("layer_fp8" in r["time_us"] for r in layer["results"])
     for r in layer["results"]:
         t, kept = r["time_us"], r["activation_mib_kept_for_backward"]
         base = t["layer_grouped_rows"]
@@ -280,9 +282,16 @@ def layer_table(layer):
             "layer_grouped_rows", "layer_expert_mlp", "layer_fused", "layer_standalone", "layer_torch")),
             fmt(t["layer_expert_mlp"] / base), fmt(t["layer_fused"] / base),
             f"{kept['standalone'] / 1024:.2f} / {kept['fused'] / 1024:.2f}", fmt(t["gemm1_gather"] / t["gemm1_grouped_mm"])])
+        if fp8:
+            rows[-1] += [f"{t['layer_fp8'] / 1e3:.2f} / {t['layer_fp8_quantizing_weights'] / 1e3:.2f}",
+                         f"{fmt(t['layer_fp8'] / t['layer_expert_mlp'])} / "
+                         f"{fmt(t['layer_fp8_quantizing_weights'] / t['layer_expert_mlp'])}",
+                         f"{min(r['fp8_sqnr_db'].values()):.1f}"]
     return table(["shape", "GEMMs on grouped rows", "expert_mlp", "save_memory=True", "permute + GEMMs + unpermute",
                   "PyTorch permutation", "expert_mlp / grouped", "save_memory / grouped",
-                  "kept for backward, GiB (default / save_memory)", "gather GEMM / torch._grouped_mm"], rows)
+                  "kept for backward, GiB (default / save_memory)", "gather GEMM / torch._grouped_mm"]
+                 + (["FP8 expert_mlp (weights per step / per call)", "FP8 / bf16 expert_mlp",
+                     "FP8 SQNR, lowest of output and gradients, dB"] if fp8 else []), rows)
 
 
 MEGATRON_SHAPES = {**LARGE_SHAPES, "small": ("small", "H=1024, E=16, k=2")}
