@@ -56,5 +56,6 @@ def __getattr__(name):
         return getattr(results, name)
     if name in TE_FUNCTIONS:
         from . import te
-        return getattr(te, name)
+        function = globals()[name] = getattr(te, name)  # kept: later calls skip this lookup
+        return function
     raise AttributeError(f"module 'permgen' has no attribute {name!r}")
