@@ -9,8 +9,7 @@ combine, dropless) doing the same step.
     TRITON_INTERPRET=1 python3 -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_megatron.py --smoke
 
 One rank per GPU over NCCL; the expert-parallel size is the world size (1 on one GPU, where
-megatron-core skips its all-to-alls and permgen's dispatch still runs its collectives, one-rank
-copies). Each rank has N tokens [N, H] bf16 (requiring grad) routed top-k over E experts with random
+megatron-core skips its all-to-alls and permgen's dispatch / combine start no collective either). Each rank has N tokens [N, H] bf16 (requiring grad) routed top-k over E experts with random
 router probs: megatron's routing_map [N, E] bool and probs [N, E] fp32 (requiring grad, zero off the
 routes). One step:
 
@@ -502,8 +501,8 @@ def report(run):
                             f"N={c['N']} H={c['H']} E={c['E']} k={c['k']}" for c in checks if c.get("rank", 0) == 0)))
         lines.append("")
     if meta["world"] == 1:
-        lines.append("One rank: megatron-core skips its all-to-alls, permgen's dispatch / combine still run theirs "
-                     "(one-rank copies).")
+        lines.append("One rank: megatron-core skips its all-to-alls; permgen's dispatch / combine start no "
+                     "collective either.")
     lines.append("ms per step (median, slowest rank); host: CPU ms of the threads issuing one step (Python's and "
                  "autograd's)")
     lines.append("")
