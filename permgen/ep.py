@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
                        scale_columns, scale_dtype)
-from .ops import _eager_apply, _prefix, _Registered, _remember
+from .ops import _call_key, _eager_apply, _prefix, _Registered, _remember
 from .results import RowIdMap, RowMapLayout, row_map_words
 
 
@@ -553,12 +553,8 @@ def _checked_dispatch(ops, tokens, routing, probs, scale, group, num_experts, re
     call like one already checked on this group (the same shapes, dtypes, devices, contiguity and
     settings) costs a dict lookup: the checks and the words are kept with the group (_GROUPS)."""
     try:
-        key = (ops.prefix, tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
-               routing.shape, routing.dtype, routing.device, routing.is_contiguous(),
-               None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()),
-               None if scale is None else (scale.shape, scale.dtype, scale.device, scale.is_contiguous()),
-               num_experts, recv_capacity, topk, check_routing,
-               type(num_experts), type(recv_capacity), type(topk), type(check_routing))
+        key = (ops.prefix, *_call_key((tokens, routing, probs, scale), (num_experts, recv_capacity, topk,
+                                                                         check_routing)))
         checked = _GROUPS[group][4]
         kept = checked.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say what is wrong

@@ -163,6 +163,13 @@ def _passed(checked: dict, key) -> bool:
     return key is not None and key in checked
 
 
+def _call_key(tensors, settings) -> tuple:
+    """What a call's checks read, as a key: each tensor's shape, dtype, device and contiguity (None when
+    absent), then the settings and their types. Raises AttributeError for what is not a tensor."""
+    return (*(None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors),
+            *settings, *map(type, settings))
+
+
 def _remember(checked: dict, key, value=True):
     """Keep what a call's checks gave (a plan, or that they passed) under its key, at most _PLANS."""
     if key is not None:
@@ -714,12 +721,8 @@ class Ops(_Registered):
             self.backend.check_device(tokens)
             return plan
         try:
-            key = (tokens.shape, tokens.dtype, tokens.device, tokens.is_contiguous(),
-                   routing.shape, routing.dtype, routing.device, routing.is_contiguous(),
-                   None if probs is None else (probs.shape, probs.dtype, probs.device, probs.is_contiguous()),
-                   None if scale is None else (scale.shape, scale.dtype, scale.device, scale.is_contiguous()),
-                   num_experts, num_out_tokens, topk, check_routing, from_ids,
-                   type(num_experts), type(num_out_tokens), type(topk), type(check_routing))
+            key = _call_key((tokens, routing, probs, scale),
+                            (num_experts, num_out_tokens, topk, check_routing, from_ids))
             plan = self._plans.get(key)
         except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say what is wrong
             key = plan = None
