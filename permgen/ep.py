@@ -56,6 +56,7 @@ The collectives move bytes, so every dtype goes through gloo (CPU) and NCCL (GPU
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -188,6 +189,9 @@ def _pack(h: EpHandle, permuted):
 
 def _dispatch_rows(h: EpHandle, res):
     """permute's rows and probs -> this rank's experts' rows and probs."""
+    if h.table is None and h.pack_rows is None and len(h.send_splits) == 1:  # one rank: permute's rows
+        rows, probs, n = res.tokens, res.probs, h.num_out
+        return (rows, probs) if rows.shape[0] == n else (rows[:n], None if probs is None else probs[:n])
     return _to_experts(h, _pack(h, res.tokens), None if res.probs is None else _pack(h, res.probs))
 
 
@@ -650,23 +654,24 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
     early = not pad and (not ops.variant.mask or topk is not None)
     res = None
     if early:
-        layout = RowMapLayout(ops.variant.mask, plan.num_tokens, plan.width, num_experts)
+        start, end = _count_words(ops.variant.mask, plan.num_tokens, plan.width, num_experts)
         queued = {}
 
         def exchange(row_map):  # the segment counts [E], then the dropped routes: all of them bad ones here
-            counts = row_map[layout.segment_counts:layout.route_tallies + 1]
-            payload, queued["received"] = _exchange_counts(counts, group, world, local)
+            payload, queued["received"] = _exchange_counts(row_map[start:end], group, world, local)
             queued["reading"] = _start_read(payload)
 
-        plan = plan._replace(num_out_tokens=plan.num_tokens * plan.width, check_routing=False)
-        res = ops.result(plan, routing, ops.backend.permute(plan, tokens, routing, probs, scale, routed=exchange))
+        res = ops.result(plan, routing, ops.backend.permute(_every_route(plan), tokens, routing, probs, scale,
+                                                            routed=exchange))
         received, reading = queued["received"], queued["reading"]
     else:
         counts = _route_tally(ops, routing, num_experts, plan.width, check)
         payload, received = _exchange_counts(counts, group, world, local)
         reading = _start_read(payload)
-    tokens_per_expert = None  # (with a regroup, its table's segment sizes)
-    if not _regroup_needed(world, local, pad, None):  # queued before the read, not after it
+    # Each local expert's rows (with a regroup, its table's segment sizes): with one rank, permute's own
+    # counts; else summed over the sources, queued before the read, not after it.
+    tokens_per_expert = None
+    if world > 1 and not _regroup_needed(world, local, pad, None):
         tokens_per_expert = received[:, :local].sum(0, dtype=torch.int64)
     host = _finish_read(reading)  # the one device-to-host read
     step = local + 1
@@ -681,8 +686,8 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
         num_out = sum(_round_up(sum(got[s * step + e] for s in range(world)), pad) for e in range(local))
     sent = sum(send_splits)
     pack_rows = None
-    if early:
-        send_map = res.row_id_map._replace(num_rows=sent)  # the routed rows are permute's first rows
+    if early:  # the routed rows are permute's first rows
+        send_map = res.row_id_map if sent == res.row_id_map.num_rows else res.row_id_map._replace(num_rows=sent)
     elif not pad:
         res = ops.permute(tokens, routing, probs, scale, num_experts=num_experts, num_out_tokens=sent, topk=topk,
                           check_routing=False)
@@ -696,8 +701,23 @@ def _dropless_plan(ops, plan, tokens, routing, probs, scale, group, world, local
                                   torch.ones_like(counts), sent)
         offsets = torch.cat([_exclusive_cumsum(counts, 0), counts.sum().reshape(1)])
         send_map = _send_row_map(res.row_id_map, _inverse_rows(pack_rows, permuted_rows, -1), offsets, counts, sent)
+    if world == 1 and not pad:
+        tokens_per_expert = res.tokens_per_expert
     return (res, send_map, pack_rows, send_splits, recv_splits, received[:, :local], num_out,
             _no_drops(world, tokens.device), tokens_per_expert)
+
+
+@functools.lru_cache(maxsize=256)
+def _count_words(mask, num_tokens, width, num_experts):
+    """[start, end) of a row map's segment counts [E] and its dropped routes, consecutive words."""
+    layout = RowMapLayout(mask, num_tokens, width, num_experts)
+    return layout.segment_counts, layout.route_tallies + 1
+
+
+@functools.lru_cache(maxsize=256)
+def _every_route(plan):
+    """permute's plan with a row for every route slot, its routing checked by the dispatch."""
+    return plan._replace(num_out_tokens=plan.num_tokens * plan.width, check_routing=False)
 
 
 def _capacity_plan(ops, plan, tokens, routing, probs, scale, group, world, local, topk, capacity, check):
