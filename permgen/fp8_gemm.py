@@ -13,12 +13,16 @@ ones (quantize_expert_weights, once per optimizer step if the caller keeps the r
 
 Backward: the rows' gradients (dgrad) in FP8 -- the incoming gradient quantised rowwise, times the
 weights quantised along their other dimension -- and the weights' gradients (wgrad) in bf16 with
-torch._grouped_mm, on the tokens gathered again through the row map and on swiglu(h) recomputed: the
-faster of the two on the H200 once the FP8 wgrad's quantisation passes are counted
-(benchmarks/results/bench_layer.txt). The tokens' gradient is permute's backward of the rows'.
+torch._grouped_mm, on the tokens gathered again through the row map and on swiglu(h) recomputed by
+the one kernel that also writes d swiglu / dh. bf16 wgrad: on the H200 the FP8 2-D x 2-D GEMM ran
+0.65-0.87x bf16's time at the DeepSeek-V3 and Mixtral shapes and 2.1x at Qwen3's, before the two
+column-wise quantisation passes over x and dh per expert it needs. The tokens' gradient is permute's
+backward of the rows'.
 
-On the CPU (no kernel in torch) the scaled GEMM is emulated from its definition: the dequantised
-operands' products, summed exactly (float64), stored in bf16.
+The GPU GEMMs use Hopper's fast accumulation (use_fast_accum): without it the FP8 GEMMs at the
+Qwen3 shape ran 2.0-2.7x slower than bf16's, with it 0.64-0.83x; the layer's SQNR against bf16 is
+in benchmarks/results/bench_layer.txt. On the CPU (no kernel in torch) the scaled GEMM is emulated
+from its definition: the dequantised operands' products, summed exactly (float64), stored in bf16.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .ops import _Registered
-from .triton_fp8 import quantize_rows
+from .triton_fp8 import _bf16_bits_as_fp32, quantize_rows
 
 
 class Fp8ExpertWeights(NamedTuple):
@@ -54,7 +60,8 @@ def emulated_scaled_grouped_mm(a, a_scale, b, b_scale, offs):
 
     The products and sums are float64: exact for fp8 operands with power-of-two scales (a product
     holds 8 significant bits, and a row's products span far fewer than float64's 53), so the result
-    is the exact sum rounded once, whatever the order (the GPU sums in fp32)."""
+    is the exact sum rounded once, whatever the order (the GPU's fast accumulation sums in reduced
+    precision, so its results differ by the sums' rounding)."""
     out = torch.empty((a.shape[0], b.shape[2]), dtype=torch.bfloat16, device=a.device)
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -68,7 +75,8 @@ def scaled_grouped_mm(a, a_scale, b, b_scale, offs):
     """a [M, K] float8_e4m3fn row-major, a_scale [M]; b [E, K, N] float8_e4m3fn column-major, b_scale
     [E, N]; offs int32 [E] (each group's end) -> bf16 [M, N]."""
     if a.device.type == "cuda":
-        return torch._scaled_grouped_mm(a, b, a_scale, b_scale, offs=offs, out_dtype=torch.bfloat16)
+        return torch._scaled_grouped_mm(a, b, a_scale, b_scale, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
     return emulated_scaled_grouped_mm(a, a_scale, b, b_scale, offs)
 
 
@@ -78,12 +86,51 @@ def swiglu(h):
     return F.silu(gate) * up
 
 
-def _swiglu_backward(grad, h):
-    """d swiglu(h) / dh for the gradient of its output, in fp32, stored as h's dtype."""
-    gate, up = h.float().chunk(2, dim=1)
-    sig = torch.sigmoid(gate)
-    grad = grad.float()
-    return torch.cat([grad * up * sig * (1 + gate * (1 - sig)), grad * gate * sig], dim=1).to(h.dtype)
+@triton.jit
+def _swiglu_backward_kernel(grad_ptr, h_ptr, grad_h_ptr, a_ptr, rows, width, BLOCK: tl.constexpr,
+                            ROWS: tl.constexpr):
+    """ROWS rows per program of bf16 h [rows, 2 * width] (gate, then up) and grad [rows, width] (as int16
+    bits): d swiglu(h) / dh for grad [rows, 2 * width] and swiglu(h) [rows, width], both bf16, the
+    math in fp32 (the sigmoid once for both)."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = row < rows
+    h_row = row.to(tl.int64)[:, None] * (2 * width)
+    a_row = row.to(tl.int64)[:, None] * width
+    for c0 in range(0, width, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)[None, :]
+        where = live[:, None] & (col < width)
+        gate = _bf16_bits_as_fp32(tl.load(h_ptr + h_row + col, mask=where, other=0))
+        up = _bf16_bits_as_fp32(tl.load(h_ptr + h_row + width + col, mask=where, other=0))
+        grad = _bf16_bits_as_fp32(tl.load(grad_ptr + a_row + col, mask=where, other=0))
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        tl.store(grad_h_ptr + h_row + col, _bf16_bits(grad * up * sig * (1 + gate * (1 - sig))), mask=where)
+        tl.store(grad_h_ptr + h_row + width + col, _bf16_bits(grad * silu), mask=where)
+        # swiglu's own rounding: silu(gate) to bf16, then the product
+        tl.store(a_ptr + a_row + col, _bf16_bits(_bf16_bits_as_fp32(_bf16_bits(silu)) * up), mask=where)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 x rounded to nearest even bf16, as int16 bits (NaN stays NaN): torch's rounding, which the
+    CPU interpreter's cast (it truncates) does not give."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded).to(tl.int16)
+
+
+def swiglu_backward(grad, h):
+    """(d swiglu(h) / dh for grad, swiglu(h)) of bf16 h [M, 2F] and grad [M, F]: one pass over both."""
+    rows, width = grad.shape
+    grad_h, a = torch.empty_like(h), torch.empty_like(grad)
+    if rows and width:
+        block = min(1024, triton.next_power_of_2(width))
+        per_program = max(1, min(16, 2048 // block))
+        _swiglu_backward_kernel[(triton.cdiv(rows, per_program),)](
+            grad.view(torch.int16), h.view(torch.int16), grad_h.view(torch.int16), a.view(torch.int16), rows, width,
+            BLOCK=block, ROWS=per_program,
+            num_warps=4)
+    return grad_h, a
 
 
 class Fp8Ops(_Registered):
@@ -102,6 +149,8 @@ class Fp8Ops(_Registered):
             "fp8_quantize_rows": (self._quantize_rows, self._quantize_rows_fake, "(Tensor x) -> (Tensor, Tensor)"),
             "fp8_scaled_grouped_mm": (self._scaled_grouped_mm, self._scaled_grouped_mm_fake,
                                       "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor offs) -> Tensor"),
+            "fp8_swiglu_backward": (self._swiglu_backward, self._swiglu_backward_fake,
+                                    "(Tensor grad, Tensor h) -> (Tensor, Tensor)"),
             "fp8_mlp": (self._mlp, self._mlp_fake,
                         f"(Tensor tokens, Tensor rows, Tensor row_scale, Tensor w1, Tensor w2, {weights}, Tensor offs, "
                         "Tensor row_token, Tensor row_map, SymInt num_tokens, SymInt width, SymInt num_experts) "
@@ -124,6 +173,14 @@ class Fp8Ops(_Registered):
     @staticmethod
     def _scaled_grouped_mm_fake(a, a_scale, b, b_scale, offs):
         return a.new_empty((a.shape[0], b.shape[2]), dtype=torch.bfloat16)
+
+    @staticmethod
+    def _swiglu_backward(grad, h):
+        return swiglu_backward(grad.contiguous(), h.contiguous())
+
+    @staticmethod
+    def _swiglu_backward_fake(grad, h):
+        return torch.empty_like(h), torch.empty_like(grad)
 
     @staticmethod
     def _mlp(tokens, rows, row_scale, w1, w2, w1_q, w1_scale, w1_t, w1_t_scale, w2_q, w2_scale, w2_t, w2_t_scale,
@@ -150,7 +207,8 @@ class Fp8Ops(_Registered):
         needs = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
         g, g_scale = calls["fp8_quantize_rows"](grad_out)
-        grad_h = _swiglu_backward(calls["fp8_scaled_grouped_mm"](g, g_scale, w2_t.transpose(1, 2), w2_t_scale, offs), h)
+        grad_a = calls["fp8_scaled_grouped_mm"](g, g_scale, w2_t.transpose(1, 2), w2_t_scale, offs)
+        grad_h, a = calls["fp8_swiglu_backward"](grad_a, h)
         grad_tokens = grad_w1 = grad_w2 = None
         if needs[0]:
             dh, dh_scale = calls["fp8_quantize_rows"](grad_h)
@@ -160,7 +218,7 @@ class Fp8Ops(_Registered):
             x = self.gather_ops.op["gather_rows"](tokens, row_token)
             grad_w1 = torch._grouped_mm(x.t(), grad_h, offs=offs)
         if needs[4]:
-            grad_w2 = torch._grouped_mm(swiglu(h).t(), grad_out, offs=offs)
+            grad_w2 = torch._grouped_mm(a.t(), grad_out, offs=offs)
         return (grad_tokens, None, None, grad_w1, grad_w2) + (None,) * 14
 
     def quantize_rows(self, x):

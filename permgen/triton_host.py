@@ -140,10 +140,13 @@ def _row_words(t):
     return t.view(torch.uint8)
 
 
-def _quantize_row_block(hidden):
-    """Columns per step of a quantising permute: a quarter of the row, from 128 (one block128 block)
-    to 2048 (wider steps ran faster for wide rows, narrower ones for narrow rows)."""
-    return max(128, min(2048, _pow2(hidden) // 4))
+def _quantize_row_geometry(hidden):
+    """(columns per step, warps) of a quantising permute: steps of up to 4096 columns (at least 128, one
+    block128 block), and 2 warps for rows of up to 4096 columns. On the H200 this ran the Qwen3 and
+    Mixtral shapes (H = 2048, 4096) 1.1-1.4x faster than quarter-row steps with 4 warps, and DeepSeek-V3's
+    (H = 7168) as fast (benchmarks/bench_quantize.py)."""
+    width = _pow2(hidden)
+    return max(128, min(4096, width)), 2 if width <= 4096 else _NUM_WARPS
 
 
 def _block_tokens(width):
@@ -267,13 +270,18 @@ class TritonBackend:
         else:
             meta.update(BLOCK_ROUTES=route_meta["BLOCK_ROUTES"])
         # fp8 rows move as bytes, the same size as their dtype.
-        meta.update(BLOCK_H=_quantize_row_block(hidden) if v.quantizes else _row_block(v.token_dtype))
+        warps = _NUM_WARPS
+        if v.quantizes:
+            block_h, warps = _quantize_row_geometry(hidden)
+            meta.update(BLOCK_H=block_h)
+        else:
+            meta.update(BLOCK_H=_row_block(v.token_dtype))
         if scale_columns_in is not None:
             meta.update(BLOCK_S=min(_pow2(scale_columns_in), 256))
         if v.quantizes:
             # The interpreter's fp8 cast does not round to even: the kernel then converts in integers.
             meta.update(BLOCK_S=min(_pow2(v.scale_columns(hidden)), 256), HARDWARE_CAST=self.device_type == "cuda")
-        meta.update(zero_meta, num_warps=_NUM_WARPS)
+        meta.update(zero_meta, num_warps=warps)
         programs = zero_programs + num_tokens
         return (Launch(self.permute_kernel, programs, meta) if programs else None), num_blocks, zero_programs, \
             tail_programs
