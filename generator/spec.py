@@ -12,7 +12,7 @@ from pathlib import Path
 
 from permgen.axes import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
                               ROUTINGS, SCALES, TARGETS)
-from permgen.axes import AXIS_DEFAULTS, OPTION_DEFAULTS, OPTIONS, TRITON_ONLY_QUANTIZES
+from permgen.axes import AXIS_DEFAULTS, OPTION_DEFAULTS, OPTIONS
 from permgen.variant import Variant, axis_error
 
 ALLOWED_KEYS = frozenset(AXES) | frozenset(OPTIONS) | {"name"}
@@ -53,9 +53,6 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
             _fail(path, where, "targets", f"expected one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     if len(set(targets)) != len(targets):
         _fail(path, where, "targets", f"lists a target twice: {targets!r}")
-    if entry["quantize"] in TRITON_ONLY_QUANTIZES and "nki" in targets:
-        _fail(path, where, "targets", f"quantize {entry['quantize']!r} is generated for the Triton target only so "
-                                      "far; write targets = [\"triton\"]")
     variant = Variant(dtype=entry["dtype"], routing=entry["routing"], probs=entry["probs"], scale=entry["scale"],
                       quantize=entry["quantize"], pad=entry["pad"], targets=tuple(t for t in TARGETS if t in targets),
                       expert_mlp=entry["expert_mlp"])

@@ -27,8 +27,6 @@ OPTIONS = ("expert_mlp",)
 OPTION_DEFAULTS = {"expert_mlp": False}
 EXPERT_MLP_DTYPES = ("bf16",)
 EXPERT_MLP_QUANTIZES = ("none", "rowwise")
-# Quantisations the NKI target does not generate yet.
-TRITON_ONLY_QUANTIZES = ("rowwise",)
 
 # The torch dtype (by attribute name) of each token dtype.
 TOKEN_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",

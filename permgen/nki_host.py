@@ -42,7 +42,8 @@ MAX_ROWS = 1 << 24
 # The sums over a token's routes (unpermute, permute's token gradients) and unpermute's gradients keep one
 # fp32 accumulator (or gradient) tile per 2048 hidden columns live across their device loop, 8 KiB per partition
 # each, beside the loop body's working tiles: Trainium2 has "128 partitions of 224KiB" of SBUF (trainium2_arch).
-# Eight column blocks fit with E = 512 experts and k = 32 slots in fp32 (the emulator counts live SBUF).
+# Eight column blocks fit with E = 512 experts and k = 32 slots in fp32 (the emulator counts live SBUF). Permute
+# quantising rowwise holds a tile of rows whole (up to 64 KiB per partition in fp32) until their amax is known.
 MAX_HIDDEN = 16384
 LNC_VARIABLE = "NEURON_LOGICAL_NC_CONFIG"
 
@@ -204,6 +205,10 @@ class NkiBackend:
             raise ValueError(f"{self.name}: the nki target supports fewer than {MAX_ROWS} routes, got N * W = "
                              f"{num_tokens * width}")
         v = self.variant
+        if v.quantize == "rowwise" and hidden > MAX_HIDDEN:
+            raise ValueError(f"{self.name}: the nki target quantises rows of at most {MAX_HIDDEN} columns rowwise (a tile "
+                             f"of rows stays in SBUF, 224 KiB per partition on Trainium2, until the rows' amax is "
+                             f"known), got H = {hidden}")
         routing_given = routing  # for the route tallies, which count the ids outside [-1, E)
         if v.mask:
             routing = (routing != 0).to(torch.int32)
@@ -236,7 +241,7 @@ class NkiBackend:
                               num_out_tokens=capacity))
         out = from_bytes(outs.pop(0)[:num_rows, :hidden], tokens.dtype)
         out_probs = None if probs is None else outs.pop(0)[:num_rows]
-        out_scale = outs.pop(0)[:num_rows, :0 if hidden == 0 else None] if v.makes_scale else None
+        out_scale = outs.pop(0)[:num_rows, :v.scale_columns(hidden)] if v.makes_scale else None  # rowwise: [M, 1] at H = 0
         row_map, tokens_per_expert = outs
         spare = RowMapLayout(v.mask, num_tokens, width, num_experts).words - row_map.shape[0]
         if spare:  # a row map is allocated as whole rows (permgen.results.RowMapLayout.words)

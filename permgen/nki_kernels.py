@@ -446,20 +446,25 @@ def route_tokens(row_map, row_token, routing, seg_start, width, num_rows, token_
         write_routes(row_map, t0, rows, num_tokens, width, num_rows, counts, routes, first_row, *write_args,
                      *scatter_args)
 
-def gather_token_rows(out_tokens, tokens, row_token, quantize_tile=None, out_scale=None, scale=None):
+def gather_token_rows(out_tokens, tokens, row_token, quantize_tile=None, quantize_rows=None, out_scale=None,
+                      scale=None):
     """Permuted row r = tokens[row_token[r]]; rows at -1 (pad rows, unused capacity) keep the tile's zeros.
 
     quantize_tile(out_tokens, out_scale, moved, has_row, rows, r0, h0, cols), where given, writes each gathered
-    tile and its scales (has_row [P, 1]: 0.0 for rows at -1); scale, where given, moves with the rows to out_scale."""
+    tile and its scales (has_row [P, 1]: 0.0 for rows at -1). quantize_rows(out_tokens, out_scale, moved_tiles,
+    has_row, rows, r0), where given instead, gets every column tile of a row tile at once, as (h0, cols, moved) in
+    column order: a scale per whole row needs the row's amax before the first tile is converted. scale, where
+    given, moves with the rows to out_scale."""
     out_rows, hidden = out_tokens.shape
     for r0 in range(0, out_rows, P):
         rows = min(P, out_rows - r0)
         source = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=source[0:rows, :], src=row_token[r0:r0 + rows, :])
-        if quantize_tile is not None:
+        if quantize_tile is not None or quantize_rows is not None:
             has_row = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=has_row[0:rows, :], src=source[0:rows, :])
             nisa.tensor_scalar(dst=has_row[0:rows, :], data=has_row[0:rows, :], op0=nl.greater_equal, operand0=0.0)
+        moved_tiles = []
         for h0 in range(0, hidden, H_TILE):
             cols = min(H_TILE, hidden - h0)
             moved = nl.ndarray((P, H_TILE), dtype=tokens.dtype, buffer=nl.sbuf)
@@ -467,10 +472,14 @@ def gather_token_rows(out_tokens, tokens, row_token, quantize_tile=None, out_sca
             nisa.dma_copy(dst=moved[0:rows, 0:cols],
                           src=tokens.ap([[hidden, rows], [1, cols]], offset=h0, vector_offset=source[0:rows, :], indirect_dim=0),
                           oob_mode=nisa.oob_mode.skip)
-            if quantize_tile is None:
-                store(dst=out_tokens[r0:r0 + rows, h0:h0 + cols], src=moved[0:rows, 0:cols])
-            else:
+            if quantize_rows is not None:
+                moved_tiles.append((h0, cols, moved))
+            elif quantize_tile is not None:
                 quantize_tile(out_tokens, out_scale, moved, has_row, rows, r0, h0, cols)
+            else:
+                store(dst=out_tokens[r0:r0 + rows, h0:h0 + cols], src=moved[0:rows, 0:cols])
+        if quantize_rows is not None:
+            quantize_rows(out_tokens, out_scale, moved_tiles, has_row, rows, r0)
         if scale is not None:
             scale_cols = scale.shape[1]
             moved_scale = nl.ndarray((P, scale_cols), dtype=scale.dtype, buffer=nl.sbuf)

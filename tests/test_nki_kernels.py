@@ -110,7 +110,8 @@ LNC1_PARAMS = [pytest.param(name, hint, id=f"{name}-topk{'=k' if hint else ':non
                for name, hint in [(_with(routing="mask", pad=0, dtype="bf16", probs=True), None),
                                   (_with(routing="mask", pad=0, dtype="bf16", probs=True), "k"),
                                   (_with(routing="index", pad=16), None),
-                                  (_with(routing="mask", quantize="mx32"), None)]]
+                                  (_with(routing="mask", quantize="mx32"), None),
+                                  (_with(quantize="rowwise"), None)]]
 
 
 @pytest.mark.parametrize("name,hint", LNC1_PARAMS)

@@ -14,16 +14,19 @@ from cases import (
     assert_bits_equal,
     assert_sum_close,
     combine_dtype,
+    expert_ids,
     generator_for,
     load,
     make_inputs,
     needed_rows,
     num_out_tokens_for,
     random_like,
+    routing_from_ids,
     to_device,
     variants_for,
 )
 from test_nki_kernels import generation_for
+from test_quantize import edge_tokens
 
 BOTH = sorted(set(variants_for("triton")) & set(variants_for("nki")))
 # Small: the CPU Triton interpreter runs one program per token. (NKI's multi-tile shapes are in test_nki_kernels.py.)
@@ -70,7 +73,7 @@ def agree(triton_mod, nki_mod, spec, case, topk, request):
     assert torch.equal(t.row_id_map.segment_counts.cpu(), n.row_id_map.segment_counts)
     if spec["probs"]:
         assert_bits_equal(t.probs.cpu(), n.probs, "probs")
-    if spec["scale"] != "none":
+    if spec["scale"] != "none" or spec["quantize"] != "none":  # moved, or computed by quantising
         assert_bits_equal(t.scale.cpu(), n.scale, "scales")
 
     # unpermute and its gradients through autograd, with merging probs where the variant has them.
@@ -90,3 +93,26 @@ def agree(triton_mod, nki_mod, spec, case, topk, request):
         assert_bits_equal(grads["triton"][1], grads["nki"][1], "unpermute grad rows")
     if spec["probs"]:
         torch.testing.assert_close(grads["triton"][2], grads["nki"][2], rtol=1e-4, atol=1e-4)
+
+
+QUANTIZING_BOTH = [name for name in BOTH if load("nki", name).VARIANT["quantize"] != "none"]
+
+
+@pytest.mark.parametrize("name", QUANTIZING_BOTH)
+def test_quantizing_variants_agree_on_edge_rows(name, request, monkeypatch):
+    """The quantising permute on rows at the edges of the scale definitions (zero rows, tiny and huge amax,
+    NaN and Inf, rounding ties; test_quantize.edge_tokens): the same fp8 bytes and scales on both targets,
+    pad rows and their scales zero on both."""
+    triton_mod, nki_mod = load_triton(name), load("nki", name)
+    spec = nki_mod.VARIANT
+    g = generator_for(request)
+    num_tokens, num_experts = 16, 5
+    tokens = edge_tokens(num_tokens, 200, torch.bfloat16, g)
+    routing = routing_from_ids(spec, expert_ids(num_tokens, num_experts, 2, g, ragged=True), num_experts)
+    probs = torch.rand(routing.shape, generator=g) if spec["probs"] else None
+    with generation_for(spec, monkeypatch):
+        n = nki_mod.permute(tokens, routing, probs, num_experts=num_experts)
+    t = triton_mod.permute(*to_device(DEVICE, tokens, routing, probs), num_experts=num_experts)
+    assert_bits_equal(t.tokens.cpu(), n.tokens, "tokens")
+    assert_bits_equal(t.scale.cpu(), n.scale, "scales")
+    assert torch.equal(t.tokens_per_expert.cpu(), n.tokens_per_expert)

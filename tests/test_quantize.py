@@ -13,10 +13,12 @@ import torch
 
 import permgen
 from generator import render_all, write_all
+from permgen import nki_host, nki_kernels
 from generator.spec import parse_spec
 from cases import (
     assert_bits_equal,
     assert_sum_close,
+    check_permute,
     check_roundtrip,
     device_of,
     expert_ids,
@@ -55,6 +57,12 @@ dtype = "fp32"
 routing = "index"
 probs = false
 quantize = "mx32"
+
+[[variant]]
+dtype = "fp32"
+routing = "mask"
+probs = false
+quantize = "rowwise"
 """
 
 
@@ -179,7 +187,8 @@ def other_dtype_modules(tmp_path_factory):
 
 
 @pytest.mark.parametrize("target", ["triton", "nki"])
-@pytest.mark.parametrize("name", ["probs_pad8_fp16_to_fp8e4m3_block128_mask", "fp32_to_fp8e4m3_mx32_index"])
+@pytest.mark.parametrize("name", ["probs_pad8_fp16_to_fp8e4m3_block128_mask", "fp32_to_fp8e4m3_mx32_index",
+                                  "fp32_to_fp8e4m3_rowwise_mask"])
 def test_fp16_and_fp32_tokens(target, name, other_dtype_modules, poisoned_empty, request):
     """fp16 and fp32 tokens quantise by the same definitions (in fp16 the edge rows beyond its range are Inf blocks)."""
     mod = other_dtype_modules[target, name]
@@ -187,3 +196,66 @@ def test_fp16_and_fp32_tokens(target, name, other_dtype_modules, poisoned_empty,
     (tokens, routing, probs), num_experts = _inputs(mod, target, g, num_tokens=16, hidden=72)
     check_roundtrip(mod, target, tokens, routing, probs, None, num_experts=num_experts, num_out_tokens=None,
                     generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# NKI: rows quantised in SBUF column tiles (permgen.nki_kernels.H_TILE columns each)
+# ---------------------------------------------------------------------------------------------
+
+def tile_spanning_rows(tokens: torch.Tensor, tile: int) -> torch.Tensor:
+    """Rows 11-14 of edge_tokens rows, rewritten so that what sets a scale sits in a later column tile
+    than the row's first: the largest |x| in the last tile, a NaN or an Inf in the second, and a row
+    whose first tile alone is large (its later tiles round to zero or subnormal fp8)."""
+    hidden = tokens.shape[1]
+    x = tokens.float()
+    x[11] = x[11] * 1e-3
+    x[11, hidden - 2] = -3000.0  # the row's amax, in its last tile
+    x[12, tile + 1] = float("nan")
+    x[13, tile] = float("inf")
+    x[14, :tile] = x[14, :tile] * 1e6
+    return x.to(tokens.dtype)
+
+
+@pytest.mark.parametrize("name", QUANTIZING["nki"])
+def test_nki_rows_across_column_tiles(name, monkeypatch, poisoned_empty, request):
+    """With tiles of 128 columns, H = 300 spans three (the last ragged): block scales come from the tile
+    their block lies in, a row's scale (rowwise) from every tile of the row, read before the first is
+    converted. Rows, scales, pad rows and their zero scales bit for bit against the reference."""
+    monkeypatch.setattr(nki_kernels, "H_TILE", 128)
+    mod = load("nki", name)
+    g = generator_for(request)
+    (tokens, routing, probs), num_experts = _inputs(mod, "nki", g, hidden=300)
+    tokens = tile_spanning_rows(tokens, 128)
+    for cap in (None, needed_rows(mod.VARIANT, routing, num_experts) * 2 // 3):
+        res, _ = check_permute(mod, tokens, routing, probs, None, num_experts=num_experts, num_out_tokens=cap)
+        assert res.tokens.dtype == torch.float8_e4m3fn
+
+
+ROWWISE_NKI = [n for n in QUANTIZING["nki"] if permgen.VARIANTS[n]["quantize"] == "rowwise"]
+
+
+@pytest.mark.parametrize("name", ROWWISE_NKI)
+def test_nki_rowwise_rows_of_the_widest_hidden(name, poisoned_empty, request):
+    """H = 16384 (nki_host.MAX_HIDDEN), eight SBUF column tiles of a row held at once: one scale per row
+    from all of them. Wider rows are refused before any launch."""
+    mod = load("nki", name)
+    g = generator_for(request)
+    hidden = nki_host.MAX_HIDDEN
+    (tokens, routing, probs), num_experts = _inputs(mod, "nki", g, num_tokens=16, hidden=hidden, num_experts=4, k=2)
+    tokens = tile_spanning_rows(tokens, nki_kernels.H_TILE)
+    res, _ = check_permute(mod, tokens, routing, probs, None, num_experts=num_experts)
+    assert res.scale.shape == (res.tokens.shape[0], 1)
+    wider = torch.zeros(2, hidden + 1, dtype=tokens.dtype)
+    with pytest.raises(ValueError, match=f"rows of at most {hidden} columns rowwise"):
+        mod.permute(wider, routing[:2], None if probs is None else probs[:2], num_experts=num_experts)
+
+
+@pytest.mark.parametrize("name", ROWWISE_NKI)
+def test_nki_rowwise_rows_of_no_columns(name):
+    """H = 0: rowwise still gives every row a scale ([M, 1]), that of a row of zeros, as the reference does."""
+    mod = load("nki", name)
+    tokens = torch.zeros(3, 0, dtype=torch.bfloat16)
+    routing = routing_from_ids(mod.VARIANT, torch.tensor([[0], [1], [1]]), 2)
+    probs = torch.rand(routing.shape) if mod.VARIANT["probs"] else None
+    res, _ = check_permute(mod, tokens, routing, probs, None, num_experts=2)
+    assert res.scale.shape == (res.tokens.shape[0], 1)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from permgen.axes import TRITON_ONLY_QUANTIZES
 from generator.spec import (
     DTYPES,
     FP8_DTYPES,
@@ -82,8 +81,7 @@ def valid_matrix():
         for scale in SCALES if dtype in FP8_DTYPES else ("none",):
             yield dict(dtype=dtype, routing=routing, probs=probs, scale=scale, pad=pad)
         for quantize in QUANTIZES[1:] if dtype in QUANTIZABLE_DTYPES else ():
-            axes = dict(dtype=dtype, routing=routing, probs=probs, scale="none", quantize=quantize, pad=pad)
-            yield {**axes, "targets": ["triton"]} if quantize in TRITON_ONLY_QUANTIZES else axes
+            yield dict(dtype=dtype, routing=routing, probs=probs, scale="none", quantize=quantize, pad=pad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,12 +255,22 @@ def test_quantize_values(value):
     assert_names(spec_error(spec_text(dict(dtype="bf16", routing="index", quantize=value))), "variant #1", "quantize")
 
 
-def test_rowwise_is_triton_only_so_far():
-    msg = spec_error(spec_text(dict(dtype="bf16", routing="index", quantize="rowwise")))
-    assert_names(msg, "variant #1", "targets")
-    assert "Triton target only" in msg, msg
-    (v,) = parse_spec(spec_text(dict(dtype="bf16", routing="index", quantize="rowwise", targets=["triton"])), SPEC_PATH)
+def test_rowwise_on_both_targets():
+    (v,) = parse_spec(spec_text(dict(dtype="bf16", routing="index", quantize="rowwise")), SPEC_PATH)
     assert v.name == "probs_bf16_to_fp8e4m3_rowwise_index" and v.scale_columns(7168) == 1
+    assert v.targets == ("triton", "nki")
+
+
+def test_rowwise_expert_mlp_is_the_triton_modules():
+    """The FP8 expert MLP is an extra of a rowwise variant's Triton module: with both targets the NKI module
+    is the plain quantising permutation; without the Triton target the spec refuses the option."""
+    (v,) = parse_spec(spec_text(dict(dtype="bf16", routing="index", quantize="rowwise", pad=16, expert_mlp=True)),
+                      SPEC_PATH)
+    assert v.expert_mlp and v.targets == ("triton", "nki")
+    msg = spec_error(spec_text(dict(dtype="bf16", routing="index", quantize="rowwise", targets=["nki"],
+                                    expert_mlp=True)))
+    assert_names(msg, "variant #1", "expert_mlp")
+    assert "the expert MLP is a Triton module's; add \"triton\" to targets" in msg, msg
 
 
 @pytest.mark.parametrize("targets, words", [
