@@ -53,7 +53,7 @@ offs = torch.tensor([64, 96, 192, 256], dtype=torch.int32, device=dev)
 a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
 b = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) / 20
 aq, sa = q_rows(a)
-bq_t, sb = q_rows(b.transpose(-2, -1))  # [E, N, K], scales [E, N]
+bq_t, sb = q_rows(b.transpose(-2, -1).contiguous())  # [E, N, K], scales [E, N]
 bq = bq_t.transpose(-2, -1)  # [E, K, N] column-major
 ref = torch._grouped_mm(a, b, offs=offs)
 

@@ -144,7 +144,8 @@ class Fp8Ops(_Registered):
         self.ops, self.gather_ops = ops, gather_ops
 
     def _register(self):
-        weights = ", ".join(f"Tensor {name}" for name in Fp8ExpertWeights._fields)
+        # (the fp8 copies get their own parameter names: Inductor refuses an op with two parameters w1)
+        weights = ", ".join(f"Tensor fp8_{name}" for name in Fp8ExpertWeights._fields)
         self._define({
             "fp8_quantize_rows": (self._quantize_rows, self._quantize_rows_fake, "(Tensor x) -> (Tensor, Tensor)"),
             "fp8_scaled_grouped_mm": (self._scaled_grouped_mm, self._scaled_grouped_mm_fake,

@@ -300,16 +300,20 @@ def test_fp8_mlp_rows_match_reference(name, request, poisoned_empty):
                                         _row_tokens(m), m)
     want, backward = fp8_mlp_rows_ref(rows.cpu(), scale.cpu(), x_rows.cpu(), w1.cpu(), w2.cpu(),
                                       fp8_segments(routes, case.E))
-    if out.device.type == "cpu":
-        assert torch.equal(out, want)  # the emulation sums exactly, as the definition
+    # On the GPU the scaled GEMMs sum with fast accumulation, and the GPU's sigmoid may round SwiGLU's
+    # derivative one bf16 step away, which can move a value quantised after it by one fp8 step: there
+    # the whole tensors are compared (near); the CPU's emulation sums exactly, as the definition.
+    on_cpu = out.device.type == "cpu"
+    if on_cpu:
+        assert torch.equal(out, want)
     else:
-        assert_sum_close(out, want, "output rows")  # the GPU's fast accumulation rounds its sums
+        near(out, want, "output rows")
     grad_rows = torch.randn(out.shape, generator=g).to(out.dtype).to(DEVICE)
     grad_tokens, grad_w1, grad_w2 = torch.autograd.grad(out, leaves, grad_rows)
     want_x_rows, want_w1, want_w2 = backward(grad_rows.cpu())
-    assert_sum_close(grad_tokens, permute_grads_ref(want_x_rows, routes, case.N)[0], "grad tokens")
-    assert_sum_close(grad_w1, want_w1, "grad w1")
-    assert_sum_close(grad_w2, want_w2, "grad w2")
+    for label, got, ref in (("grad tokens", grad_tokens, permute_grads_ref(want_x_rows, routes, case.N)[0]),
+                            ("grad w1", grad_w1, want_w1), ("grad w2", grad_w2, want_w2)):
+        (assert_sum_close if on_cpu else near)(got, ref, label)
 
 
 @pytest.mark.parametrize("case, width", FP8_CASES, ids=[c.name for c, _ in FP8_CASES])
