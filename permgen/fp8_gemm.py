@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .ops import _Registered
-from .triton_fp8 import _bf16_bits_as_fp32, quantize_rows
+from .triton_fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits, quantize_rows, row_tiles
 
 
 class Fp8ExpertWeights(NamedTuple):
@@ -99,24 +99,15 @@ def _swiglu_backward_kernel(grad_ptr, h_ptr, grad_h_ptr, a_ptr, rows, width, BLO
     for c0 in range(0, width, BLOCK):
         col = c0 + tl.arange(0, BLOCK)[None, :]
         where = live[:, None] & (col < width)
-        gate = _bf16_bits_as_fp32(tl.load(h_ptr + h_row + col, mask=where, other=0))
-        up = _bf16_bits_as_fp32(tl.load(h_ptr + h_row + width + col, mask=where, other=0))
-        grad = _bf16_bits_as_fp32(tl.load(grad_ptr + a_row + col, mask=where, other=0))
+        gate = bf16_bits_as_fp32(tl.load(h_ptr + h_row + col, mask=where, other=0))
+        up = bf16_bits_as_fp32(tl.load(h_ptr + h_row + width + col, mask=where, other=0))
+        grad = bf16_bits_as_fp32(tl.load(grad_ptr + a_row + col, mask=where, other=0))
         sig = tl.sigmoid(gate)
         silu = gate * sig
-        tl.store(grad_h_ptr + h_row + col, _bf16_bits(grad * up * sig * (1 + gate * (1 - sig))), mask=where)
-        tl.store(grad_h_ptr + h_row + width + col, _bf16_bits(grad * silu), mask=where)
+        tl.store(grad_h_ptr + h_row + col, fp32_to_bf16_bits(grad * up * sig * (1 + gate * (1 - sig))), mask=where)
+        tl.store(grad_h_ptr + h_row + width + col, fp32_to_bf16_bits(grad * silu), mask=where)
         # swiglu's own rounding: silu(gate) to bf16, then the product
-        tl.store(a_ptr + a_row + col, _bf16_bits(_bf16_bits_as_fp32(_bf16_bits(silu)) * up), mask=where)
-
-
-@triton.jit
-def _bf16_bits(x):
-    """fp32 x rounded to nearest even bf16, as int16 bits (NaN stays NaN): torch's rounding, which the
-    CPU interpreter's cast (it truncates) does not give."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded).to(tl.int16)
+        tl.store(a_ptr + a_row + col, fp32_to_bf16_bits(bf16_bits_as_fp32(fp32_to_bf16_bits(silu)) * up), mask=where)
 
 
 def swiglu_backward(grad, h):
@@ -124,9 +115,8 @@ def swiglu_backward(grad, h):
     rows, width = grad.shape
     grad_h, a = torch.empty_like(h), torch.empty_like(grad)
     if rows and width:
-        block = min(1024, triton.next_power_of_2(width))
-        per_program = max(1, min(16, 2048 // block))
-        _swiglu_backward_kernel[(triton.cdiv(rows, per_program),)](
+        programs, block, per_program = row_tiles(rows, width)
+        _swiglu_backward_kernel[(programs,)](
             grad.view(torch.int16), h.view(torch.int16), grad_h.view(torch.int16), a.view(torch.int16), rows, width,
             BLOCK=block, ROWS=per_program,
             num_warps=4)

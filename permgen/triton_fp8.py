@@ -1,5 +1,6 @@
-"""float8_e4m3fn conversion written once: the helpers the quantising permute kernels import
-(templates/triton/_quantize.py.jinja) and the row quantiser of the FP8 expert MLP (permgen.fp8_gemm).
+"""float8_e4m3fn (and bf16) conversion written once: the helpers the quantising permute kernels import
+(templates/triton/_quantize.py.jinja) and the row quantiser and SwiGLU kernels of the FP8 expert MLP
+(permgen.fp8_gemm).
 
 Scales are powers of two whose exponent is read from the bits of a row's (or block's) amax, and
 the conversion rounds to nearest even and saturates at +-448, so the CPU interpreter, the GPU and
@@ -45,10 +46,19 @@ def fp8_e4m3_bytes(y, HARDWARE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _bf16_bits_as_fp32(bits):
+def bf16_bits_as_fp32(bits):
     """bf16 values passed as their int16 bits, as fp32: the bits followed by 16 zero bits (exact for
     subnormals too, which the CPU interpreter's bf16 cast gets wrong)."""
     return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp32_to_bf16_bits(x):
+    """fp32 x rounded to nearest even bf16, as int16 bits (NaN stays NaN): torch's rounding, which the
+    CPU interpreter's cast (it truncates) does not give."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded).to(tl.int16)
 
 
 @triton.jit
@@ -64,7 +74,7 @@ def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.conste
     for c0 in range(0, cols, BLOCK):
         col = c0 + tl.arange(0, BLOCK)
         bits = tl.load(x_ptr + base + col[None, :], mask=live[:, None] & (col < cols)[None, :], other=0)
-        amax_bits = tl.maximum(amax_bits, _bf16_bits_as_fp32(bits).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        amax_bits = tl.maximum(amax_bits, bf16_bits_as_fp32(bits).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     amax_bits = tl.max(amax_bits, axis=1)
     non_finite = amax_bits >= 0x7F800000
     # amax clamped below at 1e-4 (0x38D1B717); a non-finite row gets the scale 2^127 and the factor
@@ -75,10 +85,18 @@ def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.conste
     for c0 in range(0, cols, BLOCK):
         col = c0 + tl.arange(0, BLOCK)
         where = live[:, None] & (col < cols)[None, :]
-        x = _bf16_bits_as_fp32(tl.load(x_ptr + base + col[None, :], mask=where, other=0))
+        x = bf16_bits_as_fp32(tl.load(x_ptr + base + col[None, :], mask=where, other=0))
         tl.store(out_ptr + base + col[None, :], fp8_e4m3_bytes(x * factor[:, None] * tail[:, None], HARDWARE_CAST),
                  mask=where)
     tl.store(scale_ptr + row, (exponent << 23).to(tl.float32, bitcast=True), mask=live)
+
+
+def row_tiles(rows, cols):
+    """(programs, columns per step, rows per program) of a kernel that walks whole rows: steps of up to
+    1024 columns, and narrow rows several to a program, so that a program still moves a few KiB."""
+    block = min(1024, triton.next_power_of_2(cols))
+    per_program = max(1, min(16, 2048 // block))
+    return triton.cdiv(rows, per_program), block, per_program
 
 
 def quantize_rows(x):
@@ -88,10 +106,8 @@ def quantize_rows(x):
     out = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
     scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
     if rows and cols:
-        block = min(1024, triton.next_power_of_2(cols))
-        # Narrow rows: several per program, so that a program still moves a few KiB.
-        per_program = max(1, min(16, 2048 // block))
-        quantize_rows_kernel[(triton.cdiv(rows, per_program),)](
+        programs, block, per_program = row_tiles(rows, cols)
+        quantize_rows_kernel[(programs,)](
             x.view(torch.int16), out, scale, rows, cols, BLOCK=block, ROWS=per_program,
             HARDWARE_CAST=x.device.type == "cuda", num_warps=4)
     return out.view(torch.float8_e4m3fn), scale
