@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .contract import check_tensor
-from .fp8_gemm import Fp8ExpertWeights, Fp8Ops, quantize_expert_weights, swiglu
+from .fp8_gemm import Fp8ExpertWeights, Fp8Ops, swiglu
 from .triton_gemm import GatherOps
 
 
@@ -119,7 +119,7 @@ def _check_fp8_weights(name, weights, w1, w2):
 def _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts, num_out_tokens, topk, fp8_weights):
     """permute-quantise -> FP8 MLP (permgen.fp8_gemm) -> unpermute."""
     if fp8_weights is None:
-        fp8_weights = quantize_expert_weights(w1, w2, quantize=fp8_ops.quantize_rows)
+        fp8_weights = fp8_ops.quantize_weights(w1, w2)
     elif not torch.compiler.is_compiling():
         _check_fp8_weights(ops.name, fp8_weights, w1, w2)
     res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
@@ -156,5 +156,5 @@ def bind_expert_mlp(ops):
     expert_mlp_.gather_ops = gather_ops
     if fp8_ops is not None:
         expert_mlp_.fp8_ops = fp8_ops
-        expert_mlp_.quantize_weights = lambda w1, w2: quantize_expert_weights(w1, w2, quantize=fp8_ops.quantize_rows)
+        expert_mlp_.quantize_weights = fp8_ops.quantize_weights
     return expert_mlp_

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .ops import _Registered
-from .triton_fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits, quantize_rows, row_tiles
+from .triton_fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits, quantize_columns, quantize_rows, row_tiles
 
 
 class Fp8ExpertWeights(NamedTuple):
@@ -138,6 +138,8 @@ class Fp8Ops(_Registered):
         weights = ", ".join(f"Tensor fp8_{name}" for name in Fp8ExpertWeights._fields)
         self._define({
             "fp8_quantize_rows": (self._quantize_rows, self._quantize_rows_fake, "(Tensor x) -> (Tensor, Tensor)"),
+            "fp8_quantize_columns": (self._quantize_columns, self._quantize_columns_fake,
+                                     "(Tensor x) -> (Tensor, Tensor)"),
             "fp8_scaled_grouped_mm": (self._scaled_grouped_mm, self._scaled_grouped_mm_fake,
                                       "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor offs) -> Tensor"),
             "fp8_swiglu_backward": (self._swiglu_backward, self._swiglu_backward_fake,
@@ -156,6 +158,15 @@ class Fp8Ops(_Registered):
     @staticmethod
     def _quantize_rows_fake(x):
         return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+    @staticmethod
+    def _quantize_columns(x):
+        return quantize_columns(x.contiguous())
+
+    @staticmethod
+    def _quantize_columns_fake(x):
+        return x.new_empty((x.shape[0], x.shape[2], x.shape[1]), dtype=torch.float8_e4m3fn), \
+            x.new_empty((x.shape[0], x.shape[2]), dtype=torch.float32)
 
     @staticmethod
     def _scaled_grouped_mm(a, a_scale, b, b_scale, offs):
@@ -212,11 +223,11 @@ class Fp8Ops(_Registered):
             grad_w2 = torch._grouped_mm(a.t(), grad_out, offs=offs)
         return (grad_tokens, None, None, grad_w1, grad_w2) + (None,) * 14
 
-    def quantize_rows(self, x):
-        """quantize_rows as the op under torch.compile, else the kernel."""
+    def quantize_weights(self, w1, w2):
+        """quantize_expert_weights, its quantisers the ops under torch.compile, else the kernels."""
         if torch.compiler.is_compiling():
-            return self.op["fp8_quantize_rows"](x)
-        return quantize_rows(x.contiguous())
+            return quantize_expert_weights(w1, w2, self.op["fp8_quantize_rows"], self.op["fp8_quantize_columns"])
+        return quantize_expert_weights(w1, w2)
 
     def mlp(self, tokens, rows, row_scale, w1, w2, weights, offs, row_token, row_id_map):
         """(out [M, H] bf16, h [M, 2F]): the op where autograd or torch.compile needs it, else its implementation."""
@@ -227,15 +238,17 @@ class Fp8Ops(_Registered):
         return (self._mlp if calls is None else calls["fp8_mlp"])(*args)
 
 
-def quantize_expert_weights(w1, w2, quantize=quantize_rows) -> Fp8ExpertWeights:
+def quantize_expert_weights(w1, w2, rows=quantize_rows, columns=quantize_columns) -> Fp8ExpertWeights:
     """The FP8 copies of w1 [E, H, 2F] and w2 [E, F, H] the FP8 expert MLP reads (no gradient flows
-    through them). Weights change once per optimizer step: a caller running several micro-batches
-    quantises them once and passes the result as `fp8_weights`."""
+    through them): each weight's columns (its transpose's rows, one kernel: columns), then its rows.
+    Weights change once per optimizer step: a caller running several micro-batches quantises them
+    once and passes the result as `fp8_weights`."""
     copies = []
     with torch.no_grad():
         for w in (w1, w2):
-            experts, rows_in, cols_out = w.shape
-            for stored in (w.transpose(1, 2).contiguous(), w.contiguous()):  # columns, then rows
-                q, scale = quantize(stored.view(-1, stored.shape[2]))
-                copies += [q.view(stored.shape), scale.view(stored.shape[:2])]
+            w = w.contiguous()
+            q, scale = columns(w)
+            copies += [q, scale]
+            q, scale = rows(w.view(-1, w.shape[2]))
+            copies += [q.view(w.shape), scale.view(w.shape[:2])]
     return Fp8ExpertWeights(*copies)

@@ -1,6 +1,6 @@
 """float8_e4m3fn (and bf16) conversion written once: the helpers the quantising permute kernels import
-(templates/triton/_quantize.py.jinja) and the row quantiser and SwiGLU kernels of the FP8 expert MLP
-(permgen.fp8_gemm).
+(templates/triton/_quantize.py.jinja), and the row and column quantisers and the SwiGLU kernel of the
+FP8 expert MLP (permgen.fp8_gemm).
 
 Scales are powers of two whose exponent is read from the bits of a row's (or block's) amax, and
 the conversion rounds to nearest even and saturates at +-448, so the CPU interpreter, the GPU and
@@ -62,6 +62,18 @@ def fp32_to_bf16_bits(x):
 
 
 @triton.jit
+def rowwise_factor(amax_bits):
+    """(scale exponent, factor, tail) of the rowwise rule (block128's over a whole row) for the bits of
+    a row's amax: the scale is 2^(exponent - 127) and the row's values are multiplied by factor, then
+    tail. amax is clamped below at 1e-4 (0x38D1B717); a non-finite row gets the scale 2^127 and the
+    factor 2^-127, applied as 2^-126 and then 1/2 (a subnormal factor may be flushed to zero on the GPU)."""
+    non_finite = amax_bits >= 0x7F800000
+    exponent = tl.where(non_finite, 254, ceil_exponent(tl.maximum(amax_bits, 0x38D1B717)))
+    factor = (tl.maximum(254 - exponent, 1) << 23).to(tl.float32, bitcast=True)
+    return exponent, factor, tl.where(non_finite, 0.5, 1.0)
+
+
+@triton.jit
 def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                          HARDWARE_CAST: tl.constexpr):
     """ROWS rows of bf16 x [rows, cols] (as int16 bits) per program: float8_e4m3fn bytes and one fp32
@@ -75,13 +87,7 @@ def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.conste
         col = c0 + tl.arange(0, BLOCK)
         bits = tl.load(x_ptr + base + col[None, :], mask=live[:, None] & (col < cols)[None, :], other=0)
         amax_bits = tl.maximum(amax_bits, bf16_bits_as_fp32(bits).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    amax_bits = tl.max(amax_bits, axis=1)
-    non_finite = amax_bits >= 0x7F800000
-    # amax clamped below at 1e-4 (0x38D1B717); a non-finite row gets the scale 2^127 and the factor
-    # 2^-127, applied as 2^-126 and then 1/2 (a subnormal factor may be flushed to zero on the GPU).
-    exponent = tl.where(non_finite, 254, ceil_exponent(tl.maximum(amax_bits, 0x38D1B717)))
-    factor = (tl.maximum(254 - exponent, 1) << 23).to(tl.float32, bitcast=True)
-    tail = tl.where(non_finite, 0.5, 1.0)
+    exponent, factor, tail = rowwise_factor(tl.max(amax_bits, axis=1))
     for c0 in range(0, cols, BLOCK):
         col = c0 + tl.arange(0, BLOCK)
         where = live[:, None] & (col < cols)[None, :]
@@ -109,5 +115,46 @@ def quantize_rows(x):
         programs, block, per_program = row_tiles(rows, cols)
         quantize_rows_kernel[(programs,)](
             x.view(torch.int16), out, scale, rows, cols, BLOCK=block, ROWS=per_program,
+            HARDWARE_CAST=x.device.type == "cuda", num_warps=4)
+    return out.view(torch.float8_e4m3fn), scale
+
+
+@triton.jit
+def quantize_columns_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                            HARDWARE_CAST: tl.constexpr):
+    """BLOCK_C columns of matrix program_id(1) of bf16 x [B, rows, cols] (as int16 bits), transposed and
+    quantised by the rowwise rule: out [B, cols, rows] float8_e4m3fn bytes, one fp32 scale per column
+    (scale [B, cols]). A first pass finds each column's amax, a second scales, converts and stores
+    the tile transposed."""
+    matrix = tl.program_id(1).to(tl.int64) * rows * cols
+    col = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    amax_bits = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+    for r0 in range(0, rows, BLOCK_R):
+        row = r0 + tl.arange(0, BLOCK_R)
+        bits = tl.load(x_ptr + matrix + row[:, None] * cols + col[None, :],
+                       mask=(row < rows)[:, None] & (col < cols)[None, :], other=0)
+        amax_bits = tl.maximum(amax_bits, bf16_bits_as_fp32(bits).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    exponent, factor, tail = rowwise_factor(tl.max(amax_bits, axis=0))
+    for r0 in range(0, rows, BLOCK_R):
+        row = r0 + tl.arange(0, BLOCK_R)
+        where = (row < rows)[:, None] & (col < cols)[None, :]
+        x = bf16_bits_as_fp32(tl.load(x_ptr + matrix + row[:, None] * cols + col[None, :], mask=where, other=0))
+        q = fp8_e4m3_bytes(x * factor[None, :] * tail[None, :], HARDWARE_CAST)
+        tl.store(out_ptr + matrix + col[:, None] * rows + row[None, :], tl.trans(q), mask=tl.trans(where))
+    tl.store(scale_ptr + tl.program_id(1).to(tl.int64) * cols + col, (exponent << 23).to(tl.float32, bitcast=True),
+             mask=col < cols)
+
+
+def quantize_columns(x):
+    """(float8_e4m3fn [B, C, R], fp32 scales [B, C]) of a contiguous bf16 x [B, R, C]: the rows of each
+    x[b]^T quantised, bit for bit quantize_rows(x.transpose(1, 2).contiguous()), without the bf16
+    transposed copy (one kernel reads x twice and writes the fp8 bytes once)."""
+    matrices, rows, cols = x.shape
+    out = torch.empty((matrices, cols, rows), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((matrices, cols), dtype=torch.float32, device=x.device)
+    if matrices and rows and cols:
+        block_c = min(64, triton.next_power_of_2(cols))
+        quantize_columns_kernel[(triton.cdiv(cols, block_c), matrices)](
+            x.view(torch.int16), out, scale, rows, cols, BLOCK_R=64, BLOCK_C=block_c,
             HARDWARE_CAST=x.device.type == "cuda", num_warps=4)
     return out.view(torch.float8_e4m3fn), scale

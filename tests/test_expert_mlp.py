@@ -431,7 +431,8 @@ def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
     utils = ("test_faketensor",)
     x = tokens[:, :32].contiguous()
     torch.library.opcheck(ops["fp8_quantize_rows"], (x,), test_utils=utils)
-    q, s = mod.expert_mlp.fp8_ops.quantize_rows(x)
+    torch.library.opcheck(ops["fp8_quantize_columns"], (w1.detach()[:, :40, :24].contiguous(),), test_utils=utils)
+    q, s = ops["fp8_quantize_rows"](x)
     weights = mod.expert_mlp.quantize_weights(w1, w2)
     offs = torch.tensor([3, 3, 9], dtype=torch.int32, device=x.device)
     torch.library.opcheck(ops["fp8_scaled_grouped_mm"], (q, s, weights.w1.transpose(1, 2), weights.w1_scale, offs),
@@ -471,3 +472,21 @@ def test_fp8_expert_mlp_real_shape(name):
     for label, a, b in pairs:
         sqnr = 10 * torch.log10(b.float().pow(2).sum() / (a.float() - b.float()).pow(2).sum())
         assert sqnr >= 20, f"{label}: {float(sqnr):.1f} dB"
+
+
+def test_fp8_column_quantiser_matches_transposed_rows(request):
+    """The weights' column quantiser: bit for bit the row quantiser on the transposed copy it avoids
+    (quantize_ref's rowwise rule), on edge values and ragged sizes; every byte and scale written."""
+    from permgen.triton_fp8 import quantize_columns
+    from test_quantize import edge_tokens
+
+    g = generator_for(request)
+    for matrices, rows, cols in ((3, 83, 70), (1, 130, 17), (2, 41, 129)):
+        # edge_tokens' special rows become columns, the values a column's scale is taken over
+        x = edge_tokens(matrices * cols, rows, torch.bfloat16, g).view(matrices, cols, rows).transpose(1, 2)
+        x = x.contiguous().to(DEVICE)
+        q, scale = quantize_columns(x)
+        want_rows, want_scale = quantize_ref(x.transpose(1, 2).reshape(-1, rows), "rowwise")
+        assert q.shape == (matrices, cols, rows) and scale.shape == (matrices, cols)
+        assert torch.equal(q.view(torch.uint8).reshape(-1, rows), want_rows.view(torch.uint8))
+        assert torch.equal(scale.reshape(-1), want_scale.view(-1))
