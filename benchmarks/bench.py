@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 import permgen
-from permgen.contract import combine_dtype, token_dtype
+from permgen.core.contract import combine_dtype, token_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import permgen  # noqa: E402
-from permgen import triton_gemm  # noqa: E402
-from permgen.expert_mlp import _row_tokens, _segment_ends  # noqa: E402
+from permgen.triton import gemm as triton_gemm  # noqa: E402
+from permgen.layers.expert_mlp import _row_tokens, _segment_ends  # noqa: E402
 
 SHAPES = [("qwen3_moe", 16384, 2048, 128, 8, 768), ("deepseek_v3", 16384, 7168, 256, 8, 2048),
           ("mixtral", 16384, 4096, 8, 2, 14336)]  # name, N, H, E, k, F
@@ -237,7 +237,7 @@ def main():
         return
     mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True)
     fp8_mod = permgen.get_kernel("triton", dtype="bf16", routing="index", probs=True, quantize="rowwise", pad=16)
-    if args.sweep:  # writes bench_layer_sweep.txt, the source of permgen/triton_gemm.py's tile choice
+    if args.sweep:  # writes bench_layer_sweep.txt, the source of permgen/triton/gemm.py's tile choice
         lines = [f"permgen gather GEMM tile sweep, {torch.cuda.get_device_name()} (torch {torch.__version__}, Triton "
                  f"{triton.__version__}): us per call of the first GEMM at each layer shape", ""]
         for shape in SHAPES:

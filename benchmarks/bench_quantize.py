@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # the generator renders the comparison variants the spec does not list
 
 import permgen  # noqa: E402
-from permgen.triton_fp8 import quantize_rows  # noqa: E402
+from permgen.triton.fp8 import quantize_rows  # noqa: E402
 from bench import copy_bandwidth, expert_sorted_rows, graph_us  # noqa: E402
 
 SHAPES = [  # name, N, H, E, k

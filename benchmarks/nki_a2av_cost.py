@@ -5,7 +5,7 @@ driver; per kernel run the emulator counts the instructions issued (every nki.is
 call), the indirect DMAs and the bytes that dma_copy moved (the collectives' own traffic is not
 counted as DMA bytes). The table shows the busiest rank. Routing is uniform: every token picks k
 distinct experts of E, spread evenly over the ranks; the receive capacity is twice the mean. Each
-generation runs its default exchange (permgen.nki_a2av), and trn3 groups of whole devices (EP a
+generation runs its default exchange (permgen.nki.a2av), and trn3 groups of whole devices (EP a
 multiple of 4, at least 8) the packed exchange too, at the LNC the environment declares
 (--lnc sets it; at LNC=2 a count is both cores' of the rank together).
 
@@ -26,14 +26,14 @@ sys.path.insert(0, str(ROOT))
 
 import ml_dtypes  # noqa: E402
 
-from permgen import nki_emulator  # noqa: E402
+from permgen.nki import emulator as nki_emulator  # noqa: E402
 
 nki_emulator.install()
 
-from permgen.nki_emulator import Platform, run_ranks  # noqa: E402
-from permgen.nki_emulator.collectives import ReplicaGroup  # noqa: E402
-from permgen.nki_a2av import exchange_for, permute_a2av, unpermute_a2av  # noqa: E402
-from permgen.nki_host import logical_cores  # noqa: E402
+from permgen.nki.emulator import Platform, run_ranks  # noqa: E402
+from permgen.nki.emulator.collectives import ReplicaGroup  # noqa: E402
+from permgen.nki.a2av import exchange_for, permute_a2av, unpermute_a2av  # noqa: E402
+from permgen.nki.host import logical_cores  # noqa: E402
 
 
 def rank_inputs(ep, tokens, hidden, experts, k, seed):

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from permgen import nki_emulator  # noqa: E402
+from permgen.nki import emulator as nki_emulator  # noqa: E402
 
 nki_emulator.install()
 
@@ -59,7 +59,7 @@ def make_inputs(routing_kind, n, h, e, k, seed=0):
 
 
 def _np(t):
-    from permgen.nki_host import to_kernel
+    from permgen.nki.host import to_kernel
     return to_kernel(t)
 
 
@@ -73,7 +73,7 @@ def run_torch_api(mod, tokens, routing, probs, e, k, topk):
     name = mod.VARIANT["name"]
     width = topk or (e if mod.VARIANT["routing"] == "mask" else k)
     kernel_routing = (routing != 0).int() if mod.VARIANT["routing"] == "mask" else routing
-    from permgen.nki_host import logical_cores
+    from permgen.nki.host import logical_cores
 
     nki.simulate(backend.kernels.expert_counts[logical_cores()])(_np(kernel_routing), num_experts=e, width=width)
     res = mod.permute(tokens, routing, probs, num_experts=e, num_out_tokens=cap, topk=topk)
@@ -89,7 +89,7 @@ def run_torch_api(mod, tokens, routing, probs, e, k, topk):
 
 
 def run_numpy_api(mod, tokens, routing, probs, e, k):
-    """Modules of the NumPy-host generation (before permgen.nki_host)."""
+    """Modules of the NumPy-host generation (before permgen.nki.host)."""
     n, h = tokens.shape
     cap = n * k
     name = mod.VARIANT["name"]
@@ -118,7 +118,7 @@ def main():
     args = ap.parse_args()
     if args.lnc:
         os.environ["NEURON_LOGICAL_NC_CONFIG"] = args.lnc
-    from permgen.nki_host import logical_cores
+    from permgen.nki.host import logical_cores
 
     print(f"NKI kernel costs (emulator counts), N={args.n} H={args.h} E={args.e} k={args.k}, bf16 tokens, "
           f"fp32 probs, num_out_tokens = N*k, LNC={logical_cores()}; modules from {args.root}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jinja2
 
-from permgen.variant import Variant
+from permgen.core.variant import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "templates"
@@ -45,7 +45,7 @@ def make_environment() -> jinja2.Environment:
 
 
 def template_context(variant: Variant) -> dict:
-    """Facts the templates need about one variant: the axes plus what they imply (permgen.variant,
+    """Facts the templates need about one variant: the axes plus what they imply (permgen.core.variant,
     the facts the runtime reads too)."""
     ctx = dict(variant.axes())
     ctx.update(

@@ -10,10 +10,10 @@ import re
 import tomllib
 from pathlib import Path
 
-from permgen.axes import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
+from permgen.core.axes import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
                               ROUTINGS, SCALES, TARGETS)
-from permgen.axes import AXIS_DEFAULTS, OPTION_DEFAULTS, OPTIONS
-from permgen.variant import Variant, axis_error
+from permgen.core.axes import AXIS_DEFAULTS, OPTION_DEFAULTS, OPTIONS
+from permgen.core.variant import Variant, axis_error
 
 ALLOWED_KEYS = frozenset(AXES) | frozenset(OPTIONS) | {"name"}
 BUILTIN_DEFAULTS = {**AXIS_DEFAULTS, **OPTION_DEFAULTS}
@@ -26,7 +26,7 @@ class SpecError(ValueError):
 
 
 def variant_name(v: Variant) -> str:
-    """One fixed rule (permgen.axes.variant_name), e.g. probs_pad128_fp8e4m3_block128_mask."""
+    """One fixed rule (permgen.core.axes.variant_name), e.g. probs_pad128_fp8e4m3_block128_mask."""
     return v.name
 
 
@@ -42,7 +42,7 @@ def _validate_entry(path, where: str, entry: dict) -> Variant:
     for key in ("dtype", "routing"):
         if key not in entry:
             _fail(path, where, key, "missing (set it in the variant or in [defaults])")
-    problem = axis_error(entry)  # the axis rules, shared with the registry's lookup (permgen.variant)
+    problem = axis_error(entry)  # the axis rules, shared with the registry's lookup (permgen.core.variant)
     if problem:
         _fail(path, where, *problem)
     targets = entry["targets"]

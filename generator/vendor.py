@@ -1,7 +1,7 @@
 """`python -m generator vendor <variant> -o FILE`: one self-contained Triton file for a variant.
 
 The file is the permgen runtime the variant's module uses (the permgen modules it imports, and
-those they import: contract, variant, results, ops, triton_host, ep, triton_kernels ...),
+those they import: core/contract, core/variant, core/results, core/ops, triton/host, ep, triton/kernels ...),
 inlined each after the ones it imports, followed by the variant's generated kernels and binding;
 it imports only torch, triton and the standard library (on CPU tensors Triton's interpreter also
 imports numpy). Imports between the inlined modules are
@@ -18,19 +18,47 @@ from .render import MARKER, GenerationError, Output
 RUNTIME = Path(__file__).resolve().parent.parent / "permgen"
 
 
-def _internal_modules(node: ast.stmt) -> list:
-    """The permgen modules (file stems) an import statement imports from; [] for any other import."""
-    if isinstance(node, ast.ImportFrom):
-        module = node.module or ""
-        if node.level == 0 and module.split(".")[0] != "permgen":
-            return []
-        parts = module.split(".")[1:] if node.level == 0 else ([module] if module else [])
-        if parts:
-            return [parts[0]]
-        return [a.name for a in node.names]  # from permgen import x / from . import x: x is a module
+def _file(name: str) -> Path:
+    """The file of the permgen module `name` (dotted, under permgen: "core.ops"; "ep" is a package)."""
+    path = RUNTIME.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _is_module(name: str) -> bool:
+    return bool(name) and _file(name).is_file()
+
+
+def _package(name: str) -> str:
+    """The package a module's relative imports start from: a package's own name, else its parent's."""
+    return name if _file(name).name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _resolve(node: ast.stmt, package: str):
+    """(the permgen modules, dotted under permgen, an import statement imports from; whether it binds
+    them as modules: `from . import kernels`) for a statement in a module of `package`; ([], False)
+    for any other import."""
     if isinstance(node, ast.Import):
-        return [a.name.split(".")[1] for a in node.names if a.name.split(".")[0] == "permgen" and "." in a.name]
-    return []
+        return [a.name.split(".", 1)[1] for a in node.names if a.name.split(".")[0] == "permgen" and "." in a.name], False
+    if not isinstance(node, ast.ImportFrom):
+        return [], False
+    parts = (node.module or "").split(".") if node.module else []
+    if node.level == 0:
+        if not parts or parts[0] != "permgen":
+            return [], False
+        base = parts[1:]
+    else:
+        up = package.split(".") if package else []
+        base = up[:len(up) - (node.level - 1)] + parts
+    base = ".".join(base)
+    submodules = [".".join(filter(None, (base, a.name))) for a in node.names]
+    if not base or all(_is_module(name) for name in submodules):
+        return submodules, True  # from permgen import x / from . import x: x is a module
+    return [base], False
+
+
+def _internal_modules(node: ast.stmt, package: str) -> list:
+    """The permgen modules (dotted under permgen) an import statement imports from; [] for any other import."""
+    return _resolve(node, package)[0]
 
 
 def _is_internal(node: ast.stmt) -> bool:
@@ -48,28 +76,32 @@ def _runtime_order(source: str) -> list:
         if name in order or name in visiting:
             return
         visiting.add(name)
-        path = RUNTIME / f"{name}.py"
+        path = _file(name)
         if not path.is_file():
             raise GenerationError(f"vendor: permgen.{name} is imported but is not a module file ({path})")
-        for dep in _top_level_deps(path.read_text(encoding="utf-8"), f"permgen/{name}.py"):
+        for dep in _top_level_deps(path.read_text(encoding="utf-8"), _label(name), _package(name)):
             visit(dep)
         order.append(name)
 
-    for dep in _top_level_deps(source, "the generated module"):
+    for dep in _top_level_deps(source, "the generated module", ""):
         visit(dep)
     return order
 
 
-def _top_level_deps(source: str, label: str) -> list:
+def _label(name: str) -> str:
+    return _file(name).relative_to(RUNTIME.parent).as_posix()
+
+
+def _top_level_deps(source: str, label: str, package: str) -> list:
     deps = []
     for node in ast.parse(source, label).body:
-        for name in _internal_modules(node):
+        for name in _internal_modules(node, package):
             if name not in deps:
                 deps.append(name)
     return deps
 
 
-def _split(source: str, label: str, inlined):
+def _split(source: str, label: str, package: str, inlined):
     """(external imports, body text, top-level names) of one module, without its header comments,
     docstring and imports. An import of an inlined module inside a function becomes `pass` (its
     names are the file's own), or for a module bound to a name, that name for the file's module."""
@@ -96,12 +128,11 @@ def _split(source: str, label: str, inlined):
     for node in ast.walk(tree):
         if id(node) in top or not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
-        modules = _internal_modules(node)
+        modules, as_modules = _resolve(node, package)
         if not modules or not set(modules) <= set(inlined):
             continue
         indent = lines[node.lineno - 1][:node.col_offset]
-        as_modules = isinstance(node, ast.ImportFrom) and (
-            not node.module if node.level else node.module == "permgen")
+        as_modules = as_modules and isinstance(node, ast.ImportFrom)
         if as_modules:  # from . import triton_kernels as k: k holds this file's names
             binds = "; ".join(f"{a.asname or a.name} = types.SimpleNamespace(**globals())" for a in node.names)
             imports.append(ast.Import(names=[ast.alias("types")]))
@@ -132,11 +163,11 @@ def _import_block(nodes) -> str:
 def vendor(output: Output, variant_name: str) -> str:
     """The self-contained source for one generated Triton module (`output`, rendered in memory)."""
     runtime = _runtime_order(output.text)
-    parts = [(f"permgen/{name}.py", (RUNTIME / f"{name}.py").read_text(encoding="utf-8")) for name in runtime]
-    parts.append((f"generated/{output.path.as_posix()}", output.text))
+    parts = [(_label(name), _package(name), _file(name).read_text(encoding="utf-8")) for name in runtime]
+    parts.append((f"generated/{output.path.as_posix()}", "", output.text))
     imports, bodies, owner = [], [], {}
-    for label, source in parts:
-        part_imports, body, names = _split(source, label, runtime)
+    for label, package, source in parts:
+        part_imports, body, names = _split(source, label, package, runtime)
         for name in names:
             if name in owner:
                 raise GenerationError(f"vendor: {name!r} is defined in both {owner[name]} and {label}")
@@ -146,7 +177,7 @@ def vendor(output: Output, variant_name: str) -> str:
     kernel_doc = ast.get_docstring(ast.parse(output.text)) or ""
     header = (f"{MARKER} vendor for variant {variant_name}: the permgen runtime inlined before the kernels.\n"
               "# DO NOT EDIT: change variants.toml or the sources, then vendor again.\n")
-    inlined = ", ".join(f"permgen/{name}.py" for name in runtime)
+    inlined = ", ".join(_label(name) for name in runtime)
     doc = (f'"""{kernel_doc}\n\nSelf-contained: the permgen runtime ({inlined}) is inlined above\n'
            'the kernels; this file imports only torch, triton and the standard library.\n"""\n')
     return header + doc + "\n" + _import_block(imports) + "\n\n\n" + "\n\n\n".join(bodies)

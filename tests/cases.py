@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from permgen import axes, contract
+from permgen.core import axes, contract
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
 HAS_CUDA = torch.cuda.is_available()
@@ -108,7 +108,7 @@ def load(target: str, name: str):
     import permgen
 
     if target == "nki":
-        from permgen import nki_emulator
+        from permgen.nki import emulator as nki_emulator
 
         nki_emulator.install()
     module = permgen.get_kernel(target, **axes_of(name))

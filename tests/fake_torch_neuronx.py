@@ -138,8 +138,9 @@ def neuron_device():
     directly, and a kernel called with torch tensors runs as torch-neuronx would run it (here through
     nki.simulate, in the emulator). Yields the list of compile keys of those calls, in order;
     len(set(keys)) is how many compiles a Neuron host would make. Needs the emulator as `nki`."""
-    from permgen import nki_emulator
-    from permgen import neuron_ops, nki_host
+    from permgen.nki import emulator as nki_emulator
+    from permgen.nki import custom_ops as neuron_ops
+    from permgen.nki import host as nki_host
 
     if nki_emulator.real_nki_available():
         raise NeuronContractError("neuron_device() runs kernels in the emulator; the real nki is installed here")
@@ -219,7 +220,7 @@ def install() -> types.ModuleType:
     the real torch-neuronx is installed."""
     if real_torch_neuronx_available():
         raise NeuronContractError("the real torch-neuronx is installed: the model does not replace it")
-    from permgen import nki_emulator
+    from permgen.nki import emulator as nki_emulator
 
     nki_emulator.install()
     _register_backend()

@@ -19,7 +19,7 @@ import permgen
 from cases import (SUM_TOL, assert_bits_equal, assert_products_equal, check_roundtrip, combine_dtype, device_of,
                    expert_ids, generator_for, load, make_tokens, needed_rows, random_like, routing_from_ids,
                    rows_by_column_ref, to_device)
-from permgen.results import RowMapLayout
+from permgen.core.results import RowMapLayout
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
 TARGETS = ["triton", "nki"]

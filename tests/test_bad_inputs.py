@@ -1,6 +1,6 @@
 """Bad input: one table, run on both targets. Each bad call of the table goes to the Triton and the
 NKI module of a variant. On each target it must fail before any kernel launches, with the
-expected exception type, the variant's name first and the expected words (permgen.contract's);
+expected exception type, the variant's name first and the expected words (permgen.core.contract's);
 across targets, type and message must be identical (device names aside: the Triton target runs
 where CUDA is, the NKI emulator on CPU tensors).
 
@@ -24,7 +24,7 @@ import permgen
 from cases import META, assert_bits_equal, assert_sum_close, combine_dtype, device_of, expert_ids, generator_for, \
     load, make_scale, make_tokens, routing_from_ids, stable_seed, to_device, token_dtype
 from generator.spec import parse_spec
-from permgen.axes import AXES
+from permgen.core.axes import AXES
 from reference import permute_ref, unpermute_ref
 
 TARGETS = ["triton", "nki"]
@@ -112,7 +112,7 @@ def no_launch(monkeypatch, mod):
     """The module's backend refuses every kernel launch (its device check still runs): the checks
     must fire before a kernel is reached. One exception: a backend that checks the routing values
     in permute's one host read (checks_routing_in_read) runs an uncapped, checked permute, which
-    must then report the routing as bad (permgen.ops raises before any result is returned)."""
+    must then report the routing as bad (permgen.core.ops raises before any result is returned)."""
     backend = mod._ops.backend
     for method in ("unpermute", "permute_backward", "unpermute_backward"):
         assert callable(getattr(backend, method))
@@ -716,9 +716,9 @@ def test_too_many_experts_refused_in_the_same_words(target, g):
     words (the Triton target's had been an internal interpreter error)."""
     mod = load(target, INDEX)
     tokens, routing, probs, _, _ = inputs(target, INDEX, g)
-    import permgen.nki_host
-    import permgen.triton_host
-    limit = {"triton": permgen.triton_host.MAX_EXPERTS, "nki": permgen.nki_host.MAX_EXPERTS}[target]
+    import permgen.nki.host
+    import permgen.triton.host
+    limit = {"triton": permgen.triton.host.MAX_EXPERTS, "nki": permgen.nki.host.MAX_EXPERTS}[target]
     with pytest.raises(ValueError, match=rf"^{INDEX}: the {target} target supports at most {limit} experts, "
                                          rf"got {2**20}$"):
         mod.permute(tokens, routing, probs, num_experts=2**20, num_out_tokens=N * K)

@@ -19,7 +19,7 @@ def ops():
 SCRIPT = OPS + """
 import permgen
 print("import", len(ops()))
-permgen.moe_permute  # loads permgen.te and the Triton variants it serves (each with dispatch / combine)
+permgen.moe_permute  # loads permgen.integrations.te and the Triton variants it serves (each with dispatch / combine)
 permgen.moe_permute_with_probs
 print("te", len(ops()))
 N, E, k = 6, 4, 2

@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import permgen
-from permgen.ops import chunk_table
+from permgen.core.ops import chunk_table
 from cases import (
     DEVICE,
     HAS_CUDA,

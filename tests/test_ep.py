@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import permgen
-from permgen.contract import scale_kind
+from permgen.core.contract import scale_kind
 
 from cases import (PROB_GRAD_TOL, assert_bits_equal, assert_products_equal, assert_sum_close, combine_dtype,
                    expert_ids, host_reads, is_fp8, load, make_scale, make_tokens, poison, prob_columns, routing_from_ids,
@@ -783,9 +783,9 @@ def test_triton_dispatch_matches_nki_permute_a2av(world):
     slot), rank d's receive buffer is source-major [source s: its routes to d's experts, expert by
     expert]. The Triton dispatch returns the same rows expert-major: the chunk sort of the receive
     buffer's (source, local expert) chunks into (local expert, source) order."""
-    from permgen.nki_emulator import run_ranks
-    from permgen.nki_emulator.collectives import ReplicaGroup
-    from permgen.nki_host import from_kernel, to_kernel
+    from permgen.nki.emulator import run_ranks
+    from permgen.nki.emulator.collectives import ReplicaGroup
+    from permgen.nki.host import from_kernel, to_kernel
 
     _, triton_out = results_for(world)
     inputs = nki_inputs(world)

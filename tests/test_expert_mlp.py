@@ -207,7 +207,7 @@ def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
 
 def test_gather_ops_pass_opcheck(request):
     """The gather GEMM's custom ops: schema, fake implementations and registered autograd."""
-    from permgen.expert_mlp import _row_tokens, _segment_ends
+    from permgen.layers.expert_mlp import _row_tokens, _segment_ends
 
     name = "probs_bf16_index"
     case = Case("opcheck", N=5, H=16, E=3, k=2)
@@ -283,7 +283,7 @@ def test_fp8_mlp_rows_match_reference(name, request, poisoned_empty):
     """The FP8 experts between permute and unpermute (the op fp8_mlp) on the quantising permute's
     rows: the output rows bit for bit the definition's (exact sums of fp8 products, rounded once);
     given the rows' gradients, the tokens' and weights' gradients within the sums' tolerance."""
-    from permgen.expert_mlp import _row_tokens, _segment_ends
+    from permgen.layers.expert_mlp import _row_tokens, _segment_ends
 
     case, width = Case("rows", N=21, H=48, E=5, k=3), 32
     g = generator_for(request)
@@ -352,7 +352,7 @@ def test_fp8_expert_mlp_matches_reference(name, case, width, request, poisoned_e
 def test_fp8_swiglu_backward_matches_autograd(request):
     """The backward pass's fused kernel: d swiglu(h) / dh for a gradient, and swiglu(h), against torch's
     autograd of the definition in fp32 (one bf16 rounding apart), on a ragged width."""
-    from permgen.fp8_gemm import swiglu, swiglu_backward
+    from permgen.layers.fp8_mlp import swiglu, swiglu_backward
 
     g = generator_for(request)
     h = (torch.randn(37, 2 * 1100, generator=g) * 3).to(torch.bfloat16)
@@ -369,7 +369,7 @@ def test_fp8_swiglu_backward_matches_autograd(request):
 def test_fp8_row_quantiser_matches_reference(request):
     """The row quantiser the FP8 layer runs on activations, gradients and weights: bit for bit
     quantize_ref's rowwise rule, on the quantising permute's edge rows (test_quantize.edge_tokens)."""
-    from permgen.triton_fp8 import quantize_rows
+    from permgen.triton.fp8 import quantize_rows
     from test_quantize import edge_tokens
 
     x = edge_tokens(16, 83, torch.bfloat16, generator_for(request)).to(DEVICE)
@@ -444,7 +444,7 @@ def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
 def test_fp8_expert_mlp_real_shape(name):
     """Qwen3-like at N=2048 on the H200: torch._scaled_grouped_mm against its CPU emulation (the
     definition), and the layer within 20 dB of the bf16 layer, output and every gradient."""
-    from permgen.fp8_gemm import emulated_scaled_grouped_mm, scaled_grouped_mm
+    from permgen.layers.fp8_mlp import emulated_scaled_grouped_mm, scaled_grouped_mm
 
     mod, bf16 = load("triton", name), load("triton", "probs_bf16_index")
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -477,7 +477,7 @@ def test_fp8_expert_mlp_real_shape(name):
 def test_fp8_column_quantiser_matches_transposed_rows(request):
     """The weights' column quantiser: bit for bit the row quantiser on the transposed copy it avoids
     (quantize_ref's rowwise rule), on edge values and ragged sizes; every byte and scale written."""
-    from permgen.triton_fp8 import quantize_columns
+    from permgen.triton.fp8 import quantize_columns
     from test_quantize import edge_tokens
 
     g = generator_for(request)

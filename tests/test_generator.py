@@ -330,7 +330,7 @@ def test_check_labels_paths_by_the_out_directory(tmp_path):
 
 
 def test_registry_holds_only_the_variants(variants, outputs):
-    """The generated registry is data (name -> normalised spec entry); its logic is permgen.registry's."""
+    """The generated registry is data (name -> normalised spec entry); its logic is permgen.core.registry's."""
     registry = by_path(outputs)["__init__.py"]
     tree = ast.parse(registry)
     assigned = [t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
@@ -342,9 +342,9 @@ def test_registry_holds_only_the_variants(variants, outputs):
 
 
 def test_registry_and_spec_read_one_axis_table():
-    """The spec's validation and the registry's lookup take their axis values from permgen.axes."""
+    """The spec's validation and the registry's lookup take their axis values from permgen.core.axes."""
     from generator import spec
-    from permgen import axes, registry
+    from permgen.core import axes, registry
 
     assert (spec.DTYPES, spec.ROUTINGS, spec.SCALES, spec.TARGETS, spec.FP8_DTYPES, spec.MAX_PAD) == \
         (axes.DTYPES, axes.ROUTINGS, axes.SCALES, axes.TARGETS, axes.FP8_DTYPES, axes.MAX_PAD)
@@ -572,7 +572,7 @@ def test_new_variant_files_are_written(user_tree, variants, outputs):
 
 def test_new_variant_through_its_registry(user_tree, monkeypatch):
     """permgen.get_kernel, pointed at the user's generated package, finds the new variant."""
-    from permgen import registry
+    from permgen.core import registry
 
     _, out = user_tree
     package = "permgen_user_generated"

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from cases import DEVICE, HAS_CUDA, generator_for, host_reads
 import permgen
-from permgen import (moe_permute, moe_permute_with_probs, moe_sort_chunks_by_index, moe_unpermute,  # noqa: E402
-                     triton_host)
+from permgen import moe_permute, moe_permute_with_probs, moe_sort_chunks_by_index, moe_unpermute  # noqa: E402
+from permgen.triton import host as triton_host
 
 PERMGEN = str(Path(permgen.__file__).parent)
 N, H, E, K = 32, 16, 8, 2

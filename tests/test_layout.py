@@ -1,4 +1,4 @@
-"""The row map's layout is stated once per side: permgen.results.RowMapLayout for the hosts, one
+"""The row map's layout is stated once per side: permgen.core.results.RowMapLayout for the hosts, one
 helper in each shared kernel module for the kernels. These tests check the statements agree:
 the offsets themselves, and the words a real permute writes where the layout says they are."""
 
@@ -8,8 +8,9 @@ import triton
 import triton.language as tl
 
 from cases import DEVICE, device_of, generator_for, load
-from permgen import nki_kernels, triton_kernels
-from permgen.results import RowMapLayout
+from permgen.nki import kernels as nki_kernels
+from permgen.triton import kernels as triton_kernels
+from permgen.core.results import RowMapLayout
 
 SHAPES = [(0, 1, 1), (5, 2, 7), (23, 5, 7), (64, 8, 256)]  # N, W, E
 

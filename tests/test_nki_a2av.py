@@ -1,4 +1,4 @@
-"""permute_a2av / unpermute_a2av (permgen.nki_a2av), the NKI expert-parallel dispatch and combine,
+"""permute_a2av / unpermute_a2av (permgen.nki.a2av), the NKI expert-parallel dispatch and combine,
 on EP ranks of the emulator's multi-rank driver, on both Trainium generations.
 
 Each rank packs its routed rows by destination rank and the ranks exchange them by the exchange
@@ -22,29 +22,29 @@ import torch
 
 import importlib.util
 
-from permgen import nki_emulator
+from permgen.nki import emulator as nki_emulator
 
 nki_emulator.install()
 
 from cases import bits, load, stable_seed, variants_for  # noqa: E402
-from permgen.nki_emulator import EmulatorError, Platform, jit, run_ranks  # noqa: E402
-from permgen.nki_emulator.collectives import ReplicaGroup  # noqa: E402
-from permgen.nki_emulator.testing import REAL_NKI, ROOT, nki_modules_restored  # noqa: E402
-from permgen import axes  # noqa: E402
-from permgen.nki_host import from_kernel, to_kernel  # noqa: E402
+from permgen.nki.emulator import EmulatorError, Platform, jit, run_ranks  # noqa: E402
+from permgen.nki.emulator.collectives import ReplicaGroup  # noqa: E402
+from permgen.nki.emulator.testing import REAL_NKI, ROOT, nki_modules_restored  # noqa: E402
+from permgen.core import axes  # noqa: E402
+from permgen.nki.host import from_kernel, to_kernel  # noqa: E402
 
 
 def _a2av_on_the_emulator():
-    """permgen.nki_a2av running on the emulator: the real nki.simulate implements no collectives, so
+    """permgen.nki.a2av running on the emulator: the real nki.simulate implements no collectives, so
     where the real `nki` imports (a Trainium host) these tests load a private copy over the emulator."""
     if not REAL_NKI:
-        from permgen import nki_a2av
+        from permgen.nki import a2av as nki_a2av
         return nki_a2av
     with nki_modules_restored():
         nki_emulator.install(force=True)
-        spec = importlib.util.spec_from_file_location("permgen._emulated_nki_a2av", ROOT / "permgen" / "nki_a2av.py")
+        spec = importlib.util.spec_from_file_location("permgen.nki._emulated_a2av", ROOT / "permgen" / "nki" / "a2av.py")
         module = importlib.util.module_from_spec(spec)
-        module.__package__ = "permgen"
+        module.__package__ = "permgen.nki"
         spec.loader.exec_module(module)
     return module
 
@@ -277,7 +277,7 @@ def test_combine_checks_its_arguments():
 
 @pytest.mark.parametrize("name", variants_for("nki"))
 def test_generated_modules_reexport_the_one_kernel(name):
-    from permgen import nki_a2av as imported
+    from permgen.nki import a2av as imported
     module = load("nki", name)
     assert module.permute_a2av is imported.permute_a2av and module.unpermute_a2av is imported.unpermute_a2av
 

@@ -9,11 +9,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from permgen import nki_emulator
-from permgen.nki_emulator import EmulatorError, jit, simulate
-from permgen.nki_emulator.api import isa as nisa  # what kernels see as nki.isa
-from permgen.nki_emulator.api import language as nl
-from permgen.nki_emulator.testing import nki_modules_restored
+from permgen.nki import emulator as nki_emulator
+from permgen.nki.emulator import EmulatorError, jit, simulate
+from permgen.nki.emulator.api import isa as nisa  # what kernels see as nki.isa
+from permgen.nki.emulator.api import language as nl
+from permgen.nki.emulator.testing import nki_modules_restored
 
 
 @pytest.fixture(autouse=True)
@@ -692,8 +692,8 @@ def test_engines_round_to_the_destination_dtype():
 
 
 # --- collectives and the multi-rank driver -------------------------------------------------
-from permgen.nki_emulator.api import collectives as ncc  # noqa: E402
-from permgen.nki_emulator import run_ranks  # noqa: E402
+from permgen.nki.emulator.api import collectives as ncc  # noqa: E402
+from permgen.nki.emulator import run_ranks  # noqa: E402
 
 
 def _hbm(array):

@@ -1,7 +1,7 @@
 """Every generated NKI variant against the plain-PyTorch reference, forward and backward.
 
 The public functions (`mod.permute`, `mod.unpermute`, gradients through torch.autograd) take torch
-CPU tensors; permgen.nki_host runs the `@nki.jit` kernels through nki.simulate -- the NumPy
+CPU tensors; permgen.nki.host runs the `@nki.jit` kernels through nki.simulate -- the NumPy
 emulator here (strict: poisoned fresh memory, hardware tile limits, indirect DMA bounds), or the
 real simulator where `nki` imports. Moved data must match bit for bit; only sums get tolerances.
 Kernel-level tests call the kernels directly with NumPy arrays. Shapes are small: the emulator
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from permgen import nki_emulator
+from permgen.nki import emulator as nki_emulator
 from cases import (
     CASES,
     Case,
@@ -38,8 +38,9 @@ from cases import (
     routing_from_ids,
     variants_for,
 )
-from permgen import nki_host, nki_kernels
-from permgen.results import RowMapLayout
+from permgen.nki import host as nki_host
+from permgen.nki import kernels as nki_kernels
+from permgen.core.results import RowMapLayout
 from reference import plan_routes
 
 NKI_VARIANTS = variants_for("nki")
@@ -64,7 +65,7 @@ def generation_for(variant, monkeypatch):
 
 
 def launched(kernel):
-    """A kernel as permgen.nki_host launches it: at the environment's LNC."""
+    """A kernel as permgen.nki.host launches it: at the environment's LNC."""
     return kernel[nki_host.logical_cores()]
 
 
@@ -226,7 +227,7 @@ def test_nothing_read_back_with_num_out_tokens(name, monkeypatch, request):
     reads = []
     real = nki_host.NkiBackend._read_back
     monkeypatch.setattr(nki_host.NkiBackend, "_read_back", lambda self, counts: reads.append(counts) or real(self, counts))
-    monkeypatch.setattr("permgen.ops.routing_error", lambda *a: pytest.fail("check_routing ran with num_out_tokens"))
+    monkeypatch.setattr("permgen.core.ops.routing_error", lambda *a: pytest.fail("check_routing ran with num_out_tokens"))
     cap = needed_rows(mod.VARIANT, inputs[1], case.E) + 3
     with nki_emulator.recording() as runs:
         res = mod.permute(*inputs, num_experts=case.E, num_out_tokens=cap)
@@ -321,7 +322,7 @@ def test_permute_kernel_writes_the_row_map_layout(name, request):
 
 @pytest.mark.parametrize("mask", [True, False], ids=["mask", "index"])
 def test_kernel_offsets_are_the_row_map_layout(mask):
-    """The offsets every NKI kernel takes (permgen.nki_kernels) are permgen.results.RowMapLayout's."""
+    """The offsets every NKI kernel takes (permgen.nki.kernels) are permgen.core.results.RowMapLayout's."""
     for n, w, e in ((1, 1, 1), (37, 3, 7), (140, 8, 64), (5, 16, 16)):
         layout = RowMapLayout(mask, n, w, e)
         assert nki_kernels.segments_at(n, w, mask) == layout.segment_offsets

@@ -5,7 +5,7 @@ their parameters in order, NkiTensor methods and attributes, enum members; NKI 0
 level, the 0.6.0 stubs with the changes the 2.33 pages state; snapshots of 0.3.0 - 0.6.0 under `by_version`; its
 `source` field names the stub commits, `pages_0_7` the 2.33 pages read, `deprecated` what each release deprecates).
 
-- The emulator (permgen.nki_emulator.api, what `import nki` gives without the Neuron packages)
+- The emulator (permgen.nki.emulator.api, what `import nki` gives without the Neuron packages)
   provides only documented names, each with the documented parameters in order, and refuses every
   documented name it does not emulate with a "not emulated" error.
 - The emulator's surface follows its Platform's SDK release: at 2.33 (the default) exactly NKI 0.7.0's names,
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from permgen import nki_emulator
-from permgen.nki_emulator import api
-from permgen.nki_emulator.api import NotEmulated
+from permgen.nki import emulator as nki_emulator
+from permgen.nki.emulator import api
+from permgen.nki.emulator.api import NotEmulated
 
 ROOT = Path(__file__).resolve().parent.parent
 API = json.loads((Path(__file__).parent / "nki_api.json").read_text())
@@ -152,7 +152,7 @@ def test_names_outside_the_documentation_are_refused():
 # --- the kernels' use of NKI ------------------------------------------------------------------------
 def kernel_files() -> list[Path]:
     generated = sorted(p for p in (ROOT / "generated" / "nki").glob("*.py") if p.name != "__init__.py")
-    hand_written = sorted(p for p in (ROOT / "permgen").glob("nki_*.py") if "@nki.jit" in p.read_text())
+    hand_written = sorted(p for p in (ROOT / "permgen" / "nki").glob("*.py") if "@nki.jit" in p.read_text())
     return generated + hand_written
 
 
@@ -176,7 +176,7 @@ def _aliases(tree: ast.Module) -> tuple[dict, dict, set]:
 
 
 def _kernel_functions(tree: ast.Module, modules: dict) -> list[ast.FunctionDef]:
-    """The @nki.jit functions, the functions a module of kernel helpers exports (its __all__: permgen.nki_kernels,
+    """The @nki.jit functions, the functions a module of kernel helpers exports (its __all__: permgen.nki.kernels,
     whose helpers the generated kernels call) and every module-level function they reach (called or passed by name)."""
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     exported = set()

@@ -67,7 +67,7 @@ def neuron():
 @pytest.fixture
 def neuron_device(neuron):
     """CPU tensors standing in for Neuron tensors (the kernels then run in the emulator)."""
-    from permgen import nki_emulator
+    from permgen.nki import emulator as nki_emulator
 
     if nki_emulator.real_nki_available():
         pytest.skip("the real nki is installed; the Neuron-tensor model runs kernels in the emulator")

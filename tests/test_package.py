@@ -1,5 +1,5 @@
 """A wheel built from the repository installs one import package, permgen, with the generated
-kernels (permgen.generated) and the NKI emulator (permgen.nki_emulator) under it; installed and used
+kernels (permgen.generated) and the NKI emulator (permgen.nki.emulator) under it; installed and used
 outside the repository it runs the README's CPU snippet for the NKI variants; importing permgen
 loads neither torch nor a target."""
 
@@ -46,13 +46,13 @@ def test_wheel_installs_only_permgen(wheel):
     for name, variant in permgen.VARIANTS.items():
         for target in variant["targets"]:
             assert f"permgen/generated/{target}/{name}.py" in names
-    assert "permgen/generated/__init__.py" in names and "permgen/contract.py" in names
+    assert "permgen/generated/__init__.py" in names and "permgen/core/contract.py" in names
     # Nothing else: a variant removed from variants.toml must not ship from a stale build/.
     shipped = {n for n in names if re.fullmatch(r"permgen/generated/(triton|nki)/(?!__init__)\w+\.py", n)}
     expected = {f"permgen/generated/{t}/{name}.py" for name, v in permgen.VARIANTS.items() for t in v["targets"]}
     assert shipped == expected, f"not in variants.toml: {sorted(shipped - expected)} (a stale build/? make clean)"
     for module in ("__init__", "_core", "_cores", "api", "isa", "language", "collectives"):
-        assert f"permgen/nki_emulator/{module}.py" in names
+        assert f"permgen/nki/emulator/{module}.py" in names
 
 
 def readme_cpu_snippet() -> str:
@@ -75,7 +75,7 @@ import sys
 from pathlib import Path
 site = Path({str(site)!r})
 assert Path(permgen.__file__).is_relative_to(site), permgen.__file__
-from permgen import nki_emulator
+from permgen.nki import emulator as nki_emulator
 assert Path(nki_emulator.__file__).is_relative_to(site) and sys.modules["nki"].__nki_emulator__
 assert not any(Path(p).resolve() == Path({str(ROOT)!r}) for p in sys.path if p)
 torch.testing.assert_close(out.float(), x.float(), rtol=1e-2, atol=0)
@@ -97,6 +97,55 @@ def test_import_permgen_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_import_permgen_loads_no_target_feature_or_integration():
+    """`import permgen` loads the core only: the subpackages of the targets, the features and the
+    integrations are imported when used."""
+    code = ("import sys, permgen; permgen.find_variant('triton', dtype='bf16', routing='mask'); "
+            "print(sorted(m for m in sys.modules if m.startswith('permgen.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = {m.split(".")[1] for m in eval(out.stdout)}
+    assert "core" in loaded and not loaded & {"triton", "nki", "ep", "layers", "integrations", *permgen.MOVED}, loaded
+
+
+# The paths users import from the package's flat layout, each under its new name.
+OLD_PATHS = {**{f"permgen.{old}": f"permgen.{new}" for old, new in permgen.MOVED.items()},
+             "permgen.nki_emulator.language": "permgen.nki.emulator.language",
+             "permgen.nki_emulator.testing": "permgen.nki.emulator.testing",
+             "permgen.nki_emulator.api": "permgen.nki.emulator.api",
+             "permgen.ep": "permgen.ep", "permgen.integrations.megatron": "permgen.integrations.megatron"}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_old_import_path_is_the_moved_module(old):
+    """An old path, imported before the new one, gives the new module object itself: one module,
+    under its new name and spec, bound on its old parent too (`from permgen import te`)."""
+    new = OLD_PATHS[old]
+    parent, _, leaf = old.rpartition(".")
+    code = f"""
+import importlib, sys
+old = importlib.import_module({old!r})
+new = importlib.import_module({new!r})
+assert old is new and sys.modules[{old!r}] is new, (old, new)
+assert new.__name__ == {new!r} and new.__spec__.name == {new!r}, (new.__name__, new.__spec__)
+assert getattr(importlib.import_module({parent!r}), {leaf!r}) is new
+copies = dict((id(m), m) for m in list(sys.modules.values()) if getattr(m, "__file__", None) == new.__file__)
+assert list(copies.values()) == [new], copies
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_old_names_stay_unimported_until_used():
+    """`import permgen` imports no moved module for its old name; `permgen.te` then imports it."""
+    code = ("import sys, permgen; print(sorted(m for m in sys.modules if m.startswith(('permgen.te', "
+            "'permgen.integrations.te', 'torch')))); print(permgen.te is sys.modules['permgen.integrations.te'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True"]
 
 
 def test_version_is_pyproject_version():

@@ -13,7 +13,8 @@ import torch
 
 import permgen
 from generator import render_all, write_all
-from permgen import nki_host, nki_kernels
+from permgen.nki import host as nki_host
+from permgen.nki import kernels as nki_kernels
 from generator.spec import parse_spec
 from cases import (
     assert_bits_equal,
@@ -199,7 +200,7 @@ def test_fp16_and_fp32_tokens(target, name, other_dtype_modules, poisoned_empty,
 
 
 # ---------------------------------------------------------------------------------------------
-# NKI: rows quantised in SBUF column tiles (permgen.nki_kernels.H_TILE columns each)
+# NKI: rows quantised in SBUF column tiles (permgen.nki.kernels.H_TILE columns each)
 # ---------------------------------------------------------------------------------------------
 
 def tile_spanning_rows(tokens: torch.Tensor, tile: int) -> torch.Tensor:

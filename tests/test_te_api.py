@@ -1,4 +1,4 @@
-"""TransformerEngine's permutation API served by permgen (permgen.te), eagerly and compiled.
+"""TransformerEngine's permutation API served by permgen (permgen.integrations.te), eagerly and compiled.
 
 Written from TE's documented behaviour: index maps put rows in the order of a stable sort of the
 flattened expert ids; mask maps group rows by expert, ascending token; num_out_tokens below the
@@ -355,17 +355,17 @@ def test_expert_ids_passed_as_a_capped_mask_are_counted_and_asserted(request):
     tokens, ids, _ = inputs(g, "bf16")
     _, row_id_map = permgen.moe_permute(tokens, ids.long(), num_out_tokens=N * K)
     other = int(((ids != 0) & (ids != 1)).sum())
-    assert other > 0 and permgen.te.route_tallies(row_id_map).tolist() == [other, other]
+    assert other > 0 and permgen.integrations.te.route_tallies(row_id_map).tolist() == [other, other]
     mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE).int()
     _, mask_map = permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
-    assert permgen.te.route_tallies(mask_map).tolist() == [0, 0]
-    permgen.te.check_routes_on_device(True)
+    assert permgen.integrations.te.route_tallies(mask_map).tolist() == [0, 0]
+    permgen.integrations.te.check_routes_on_device(True)
     try:
         with pytest.raises(RuntimeError, match="values other than 0 and 1"):
             permgen.moe_permute(tokens, ids.long(), num_out_tokens=N * K)
         permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
     finally:
-        permgen.te.check_routes_on_device(False)
+        permgen.integrations.te.check_routes_on_device(False)
     leafed = tokens.float().requires_grad_()  # the count leaves the saved row map usable by backward
     out, row_id_map = permgen.moe_permute(leafed.to(torch.bfloat16), ids.long(), num_out_tokens=N * K)
     out.float().sum().backward()

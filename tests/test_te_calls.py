@@ -50,8 +50,8 @@ EXTRA_VARIANTS = [
 
 @pytest.fixture(scope="module")
 def te(tmp_path_factory):
-    """permgen.te serving the variants of the user's spec (the default one and EXTRA_VARIANTS)."""
-    from permgen import registry
+    """permgen.integrations.te serving the variants of the user's spec (the default one and EXTRA_VARIANTS)."""
+    from permgen.core import registry
 
     root = tmp_path_factory.mktemp("te_spec")
     spec = root / "variants.toml"
@@ -69,10 +69,10 @@ def te(tmp_path_factory):
     default = registry.GENERATED
     registry.GENERATED = package
     try:
-        yield importlib.reload(importlib.import_module("permgen.te"))
+        yield importlib.reload(importlib.import_module("permgen.integrations.te"))
     finally:
         registry.GENERATED = default
-        importlib.reload(importlib.import_module("permgen.te"))
+        importlib.reload(importlib.import_module("permgen.integrations.te"))
 
 
 @pytest.fixture(autouse=True)
@@ -252,7 +252,7 @@ def test_dropped_routes_are_counted_on_the_device(target, routing_kind, request)
 
 ASSERTING_CALL = """
 import torch
-from permgen import te
+from permgen.integrations import te
 device = "cuda" if torch.cuda.is_available() else "cpu"
 tokens = torch.randn(6, 16, device=device).to(torch.bfloat16)
 ids = torch.tensor([[0, 1], [2, 3], [1, -3], [0, 2], [3, 1], [2, 0]], device=device)

@@ -67,7 +67,7 @@ def record_launches(module, jit_function_class):
         only_probs = module.permute(tokens.detach(), routing, probs, scale, num_experts=case.E, num_out_tokens=20,
                                     check_routing=False, **extra)
         torch.autograd.grad(only_probs.probs, probs, torch.ones_like(only_probs.probs))
-    for chunk_probs in (None, torch.rand(case.N)):  # the target's chunk sort (permgen.triton_kernels), any variant
+    for chunk_probs in (None, torch.rand(case.N)):  # the target's chunk sort (permgen.triton.kernels), any variant
         module._ops.chunk_sort.sort("chunk sort", tokens.detach(), torch.tensor([3, 5]), torch.tensor([1, 0]),
                                     chunk_probs)
     module._ops.chunk_sort.kernels.gather_rows(torch.tensor([2, 0, 7], dtype=torch.int32), tokens.detach().view(torch.uint8))  # as permgen.ep
@@ -103,7 +103,7 @@ def compile_variant(name):
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from permgen import triton_kernels
+    from permgen.triton import kernels as triton_kernels
 
     module = importlib.import_module(f"permgen.generated.triton.{name}")
     launches = record_launches(module, JITFunction)

@@ -10,7 +10,7 @@ With `moe_permute_fusion=True`, megatron-core's `moe_utils.permute`, `unpermute`
 `fused_sort_chunks_by_index_with_probs`, and in newer releases `fused_permute_and_pad_with_probs`),
 each call guarded by `HAVE_TE`. Without TransformerEngine those names are missing and `HAVE_TE` is
 False, so the fused path raises. enable() binds them to permgen's TE-compatible functions
-(permgen.te) and sets `HAVE_TE`; the other names behind that flag (fused routing, aux loss, GEMM)
+(permgen.integrations.te) and sets `HAVE_TE`; the other names behind that flag (fused routing, aux loss, GEMM)
 become None, so megatron-core's own "not available" errors still name them. disable() puts back
 what was there. Where TransformerEngine is installed, enable() changes nothing and returns False.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from .. import te
+from . import te
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 

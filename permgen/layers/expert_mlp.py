@@ -9,7 +9,7 @@ Two ways, the same function (tests/test_expert_mlp.py), chosen by the caller:
   on the H200 at every measured shape (benchmarks/results/bench_layer.txt).
 - save_memory=True: no permuted copy of the tokens. permute's routing alone (its row map, no rows
   moved); the first grouped GEMM gathers its A rows from the tokens through the row map
-  (permgen.triton_gemm); the rest as above. The backward pass gathers the rows again for w1's
+  (permgen.triton.gemm); the rest as above. The backward pass gathers the rows again for w1's
   gradient instead of keeping them: [M, H] less activation memory between forward and backward
   (1.75 GiB per layer at DeepSeek-V3's shape, N=16384), for 0.6-5% more time at N=16384 (the
   gather GEMM runs 1.08-1.16x torch._grouped_mm's time).
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .contract import check_tensor
-from .fp8_gemm import Fp8ExpertWeights, Fp8Ops, swiglu
-from .triton_gemm import GatherOps
+from ..core.contract import check_tensor
+from .fp8_mlp import Fp8ExpertWeights, Fp8Ops, swiglu
+from ..triton.gemm import GatherOps
 
 
 def _row_tokens(row_id_map):
@@ -117,7 +117,7 @@ def _check_fp8_weights(name, weights, w1, w2):
 
 
 def _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts, num_out_tokens, topk, fp8_weights):
-    """permute-quantise -> FP8 MLP (permgen.fp8_gemm) -> unpermute."""
+    """permute-quantise -> FP8 MLP (permgen.layers.fp8_mlp) -> unpermute."""
     if fp8_weights is None:
         fp8_weights = fp8_ops.quantize_weights(w1, w2)
     elif not torch.compiler.is_compiling():
@@ -132,7 +132,7 @@ def _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts,
 
 def bind_expert_mlp(ops):
     """The variant's expert MLP (its generated module's `expert_mlp`); its gather GEMM's ops are
-    `expert_mlp.gather_ops`; a variant quantising rowwise runs the FP8 expert MLP (permgen.fp8_gemm),
+    `expert_mlp.gather_ops`; a variant quantising rowwise runs the FP8 expert MLP (permgen.layers.fp8_mlp),
     whose weights `expert_mlp.quantize_weights(w1, w2)` quantises."""
     gather_ops = GatherOps(ops)
     fp8_ops = Fp8Ops(ops, gather_ops) if ops.variant.quantize == "rowwise" else None
@@ -145,8 +145,8 @@ def bind_expert_mlp(ops):
         merging probs, as unpermute's); w1 [E, H, 2F] (SwiGLU: the gate's F columns, then the up
         projection's); w2 [E, F, H]. num_out_tokens and topk: permute's. save_memory=True: the
         first GEMM reads the tokens through the row map, keeping no permuted copy for the backward
-        pass (slower; see permgen.expert_mlp). Differentiable in tokens, probs, w1 and w2.
-        FP8 variants (quantize = "rowwise"): the GEMMs in float8_e4m3fn (permgen.fp8_gemm); fp8_weights:
+        pass (slower; see permgen.layers.expert_mlp). Differentiable in tokens, probs, w1 and w2.
+        FP8 variants (quantize = "rowwise"): the GEMMs in float8_e4m3fn (permgen.layers.fp8_mlp); fp8_weights:
         quantize_weights(w1, w2), made once per optimizer step, else the call quantises w1 and w2."""
         return run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, num_experts=num_experts,
                               num_out_tokens=num_out_tokens, topk=topk, save_memory=save_memory, fp8_ops=fp8_ops,

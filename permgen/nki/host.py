@@ -1,13 +1,13 @@
 """The NKI target's host side, written once for every variant: conversion and kernel launches.
 
-A generated NKI module hands its `@nki.jit` kernels to `NkiBackend`; `permgen.ops` checks arguments
+A generated NKI module hands its `@nki.jit` kernels to `NkiBackend`; `permgen.core.ops` checks arguments
 and adds autograd on top, exactly as for Triton, and defines the custom ops through
-`permgen.neuron_ops` (torch-neuronx's `nki_op` on a Trainium host). Neuron tensors (device
+`permgen.nki.custom_ops` (torch-neuronx's `nki_op` on a Trainium host). Neuron tensors (device
 "neuron", torch-neuronx) go to the kernels as they are: torch-neuronx compiles a kernel on its first
 call for the call's shapes, dtypes and non-tensor argument values and reuses it afterwards. CPU
 tensors run through `nki.simulate`: they go in as NumPy arrays (bfloat16 and fp8 as ml_dtypes
 arrays) and the outputs come back as torch tensors. Where the real `nki` package (AWS Neuron) does
-not import, permgen's NumPy emulator (`permgen.nki_emulator`) stands in for it.
+not import, permgen's NumPy emulator (`permgen.nki.emulator`) stands in for it.
 
 Static sizes: every size that shapes a kernel is a Python int, so a distinct value is a distinct
 compile on Neuron. With `num_out_tokens` given, permute passes it as the row capacity and reads
@@ -30,10 +30,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from . import neuron_ops
-from .ops import ChunkSort, Grads, PermuteOutputs, chunk_table
-from .results import RowMapLayout, write_route_tallies
-from .variant import Variant
+from ..core.ops import ChunkSort, Grads, PermuteOutputs, chunk_table
+from ..core.results import RowMapLayout, write_route_tallies
+from ..core.variant import Variant
+from . import custom_ops
 
 # The NKI kernels' limits: expert counts are one matmul moving tile and one PSUM bank (512 fp32
 # columns), and row numbers are computed exactly in fp32.
@@ -66,9 +66,9 @@ def ensure_nki() -> None:
     """Make `import nki` work: the real package, or where it is absent the repository's CPU emulator."""
     if "nki" in sys.modules or importlib.util.find_spec("nki") is not None:
         return
-    from . import nki_emulator  # ships with permgen: the NKI variants run on CPU tensors without Neuron
+    from . import emulator  # ships with permgen: the NKI variants run on CPU tensors without Neuron
 
-    nki_emulator.install()
+    emulator.install()
 
 
 ensure_nki()
@@ -124,7 +124,7 @@ def from_kernel(a: np.ndarray) -> torch.Tensor:
 
 
 def _check_device(where, tokens):
-    if tokens.device.type == "cpu" or (neuron_ops.is_neuron(tokens) and neuron_ops.torch_neuronx() is not None):
+    if tokens.device.type == "cpu" or (custom_ops.is_neuron(tokens) and custom_ops.torch_neuronx() is not None):
         return
     raise ValueError(f"{where}tokens are on {tokens.device}; the nki target runs kernels through "
                      "nki.simulate on CPU tensors, or on Neuron tensors where torch-neuronx imports")
@@ -135,7 +135,7 @@ def _run(simulate, kernel, *args, **static):
     static sizes are ints. Neuron tensors go to the kernel as they are (torch-neuronx runs it); CPU
     tensors through `simulate` (nki.simulate) as NumPy arrays."""
     kernel = kernel[logical_cores()]
-    if neuron_ops.is_neuron(args[0]):
+    if custom_ops.is_neuron(args[0]):
         return kernel(*(a.contiguous() for a in args), **static)
     outs = simulate(kernel)(*(to_kernel(a) for a in args), **static)
     if isinstance(outs, (tuple, list)):
@@ -144,10 +144,10 @@ def _run(simulate, kernel, *args, **static):
 
 
 class NkiBackend:
-    """Converts and launches one variant's kernels (permgen.ops.Backend)."""
+    """Converts and launches one variant's kernels (permgen.core.ops.Backend)."""
 
     target = "nki"
-    checks_routing_in_read = False  # permgen.ops checks the routing before permute
+    checks_routing_in_read = False  # permgen.core.ops checks the routing before permute
 
     def __init__(self, variant, kernels: NkiKernels):
         self.variant = Variant.of(variant).bind_torch()
@@ -159,7 +159,7 @@ class NkiBackend:
 
     @staticmethod
     def define_op(qualname, impl, schema):
-        return neuron_ops.define_op(qualname, impl, schema)
+        return custom_ops.define_op(qualname, impl, schema)
 
     @staticmethod
     def chunk_sort():
@@ -244,7 +244,7 @@ class NkiBackend:
         out_scale = outs.pop(0)[:num_rows, :v.scale_columns(hidden)] if v.makes_scale else None  # rowwise: [M, 1] at H = 0
         row_map, tokens_per_expert = outs
         spare = RowMapLayout(v.mask, num_tokens, width, num_experts).words - row_map.shape[0]
-        if spare:  # a row map is allocated as whole rows (permgen.results.RowMapLayout.words)
+        if spare:  # a row map is allocated as whole rows (permgen.core.results.RowMapLayout.words)
             row_map = torch.cat((row_map, row_map.new_zeros(spare)))
         write_route_tallies(v, routing_given, row_map, num_tokens, width, num_experts)
         return PermuteOutputs(out, out_probs, out_scale, tokens_per_expert.reshape(-1).to(torch.int64), row_map,
@@ -309,8 +309,8 @@ class NkiBackend:
 
 
 class NkiChunkKernels:
-    """The chunk sort, for every dtype (permgen.ops.ChunkKernels): the chunk table with torch ops,
-    the rows moved by a row gather kernel that depends on no variant (permgen.nki_kernels)."""
+    """The chunk sort, for every dtype (permgen.core.ops.ChunkKernels): the chunk table with torch ops,
+    the rows moved by a row gather kernel that depends on no variant (permgen.nki.kernels)."""
 
     target = "nki"
 
@@ -323,14 +323,14 @@ class NkiChunkKernels:
 
     @staticmethod
     def define_op(qualname, impl, schema):
-        return neuron_ops.define_op(qualname, impl, schema)
+        return custom_ops.define_op(qualname, impl, schema)
 
     @staticmethod
     def chunk_table(split_sizes, sorted_idxs):
         return chunk_table(split_sizes, sorted_idxs)
 
     def sort_chunks(self, table, inverse, tokens, probs):
-        """The chunk sort by a chunk table (permgen.ops.chunk_table; inverse: its undoing half) as a
+        """The chunk sort by a chunk table (permgen.core.ops.chunk_table; inverse: its undoing half) as a
         row gather: each output row's source row found on the host by a sorted search."""
         starts, sources = table[2:] if inverse else table[:2]
         num_rows = tokens.shape[0]
@@ -361,11 +361,11 @@ _CHUNK_SORT = None  # made on first use; every variant shares it, so its ops are
 
 
 def chunk_sort() -> ChunkSort:
-    """The NKI target's chunk sort (permgen.nki_kernels' row gathers), the same for every variant."""
+    """The NKI target's chunk sort (permgen.nki.kernels' row gathers), the same for every variant."""
     global _CHUNK_SORT
     if _CHUNK_SORT is None:
         import nki
 
-        from . import nki_kernels
-        _CHUNK_SORT = ChunkSort(NkiChunkKernels(nki_kernels.sort_chunks, nki_kernels.sort_chunks_probs, nki.simulate))
+        from . import kernels
+        _CHUNK_SORT = ChunkSort(NkiChunkKernels(kernels.sort_chunks, kernels.sort_chunks_probs, nki.simulate))
     return _CHUNK_SORT

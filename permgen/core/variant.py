@@ -70,7 +70,7 @@ class Variant:
     pad: int = AXIS_DEFAULTS["pad"]
     targets: tuple = TARGETS
     quantize: str = AXIS_DEFAULTS["quantize"]
-    expert_mlp: bool = OPTION_DEFAULTS["expert_mlp"]  # an option (permgen.axes.OPTIONS), not in the name
+    expert_mlp: bool = OPTION_DEFAULTS["expert_mlp"]  # an option (permgen.core.axes.OPTIONS), not in the name
 
     def __post_init__(self):
         problem = axis_error(self.__dict__)

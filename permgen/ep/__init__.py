@@ -64,17 +64,17 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
+from ..core.contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
                        scale_columns, scale_dtype)
-from .ops import _call_key, _eager_apply, _prefix, _Registered, _remember
-from .results import RowIdMap, RowMapLayout, row_map_words
+from ..core.ops import _call_key, _eager_apply, _prefix, _Registered, _remember
+from ..core.results import RowIdMap, RowMapLayout, row_map_words
 
 
 @dataclass
 class EpHandle:
     """What dispatch leaves for combine and the backward passes (opaque to users)."""
 
-    ops: object  # the variant's permgen.ops.Ops
+    ops: object  # the variant's permgen.core.ops.Ops
     # A weak reference: a handle (and the autograd graph holding it) must not keep the process group
     # alive past destroy_process_group, or gloo's group is torn down at interpreter exit instead,
     # which aborted the process now and then ("terminate called without an active exception").
@@ -252,7 +252,7 @@ _dispatch_apply, _combine_apply = _eager_apply(_Dispatch), _eager_apply(_Combine
 
 def _send_row_map(row_id_map, slot_of_row, offsets, counts, num_rows):
     """permute's row map with each route's row moved to its send row (slot_of_row[row], -1 for
-    none: the route is dropped) and the send buffer's segments: the same layout (permgen.results),
+    none: the route is dropped) and the send buffer's segments: the same layout (permgen.core.results),
     so the variant's unpermute and backward kernels read the send buffer directly."""
     dst, live = row_id_map.dst_rows.long(), row_id_map.live_routes
     lookup = torch.cat([slot_of_row, slot_of_row.new_full((1,), -1)])  # index -1: no route (also for 0 rows)
@@ -295,7 +295,7 @@ def _inverse_rows(rows, num_src, none):
 
 
 def _regroup_table(kept, blocks, num_out, pad):
-    """The regroup's chunk table (the chunk sort's layout, permgen.ops.chunk_table) and the padded
+    """The regroup's chunk table (the chunk sort's layout, permgen.core.ops.chunk_table) and the padded
     segment sizes [L], built on the device.
 
     Its input is the received rows, per source s a block of blocks[s] rows (kept[s, l] rows of each
@@ -829,7 +829,7 @@ class _EpOps(_Registered):
     They run the eager code; absent outputs are empty tensors. Registered in the `permgen`
     namespace as `<target>_<variant>_ep_dispatch`, `_ep_dispatch_backward`, `_ep_combine`,
     `_ep_combine_backward`, on the first compiled call that needs them, never at import (the
-    single-GPU ops' mechanism, permgen.ops._Registered; eager dispatch and combine use no op). The
+    single-GPU ops' mechanism, permgen.core.ops._Registered; eager dispatch and combine use no op). The
     group travels as its name (torch.distributed resolves it)."""
 
     def __init__(self, ops):

@@ -7,7 +7,7 @@ Names that one NKI release added or removed (BY_RELEASE) follow the Platform's S
 0.7, the default) `nl.dynamic_range` is refused with the migration guide's words. tests/test_nki_surface.py
 checks these modules against the documented API of each release (tests/nki_api.json).
 
-    from permgen.nki_emulator.api import language as nl, isa as nisa, collectives as ncc
+    from permgen.nki.emulator.api import language as nl, isa as nisa, collectives as ncc
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ _SOURCES = {"nki.language": _language, "nki.isa": _isa, "nki.isa.constants": _is
 
 
 def _module(name: str, names, source, submodules=()) -> types.ModuleType:
-    module = types.ModuleType(name, f"{name} as permgen's NKI emulator provides it (see permgen.nki_emulator.api).")
+    module = types.ModuleType(name, f"{name} as permgen's NKI emulator provides it (see permgen.nki.emulator.api).")
     for n in names:
         setattr(module, n, getattr(source, n))
     for n, sub in submodules:
@@ -93,7 +93,7 @@ MODULES = {"nki.language": language, "nki.isa": isa, "nki.isa.constants": consta
 
 def package(jit, simulate) -> types.ModuleType:
     """The `nki` package: jit, simulate and the submodules."""
-    nki = types.ModuleType("nki", "NKI emulator (permgen.nki_emulator) registered as `nki`.")
+    nki = types.ModuleType("nki", "NKI emulator (permgen.nki.emulator) registered as `nki`.")
     nki.__path__ = []  # a package, so `import nki.language` resolves through sys.modules
     nki.__nki_emulator__ = True
     nki.jit, nki.simulate = jit, simulate

@@ -10,7 +10,7 @@ registry's LookupError names the `[[variant]]` to add to variants.toml. The func
 differentiable and trace under `torch.compile(fullgraph=True)` (the variants' ops are torch.library
 custom ops).
 
-`row_id_map` is an int32 tensor, as in TE, but it holds permgen's row map (permgen.results.te_row_id_map), shaped
+`row_id_map` is an int32 tensor, as in TE, but it holds permgen's row map (permgen.core.results.te_row_id_map), shaped
 so that moe_unpermute reads every size it needs from it, whatever arguments it is given:
     mask maps    [N + 2, 2E + 1]           the row map, viewed 2-D
     padded maps  [align_size, N + 2, 2E + 1]  the same, broadcast over a first dimension of
@@ -37,11 +37,11 @@ import warnings
 
 import torch
 
-from .axes import TOKEN_DTYPE_NAMES
-from .registry import get_kernel, variants
-from .results import RowIdMap, RowMapLayout, te_row_id_map, te_row_id_map_sizes
-from .triton_host import chunk_sort
-from .variant import Variant
+from ..core.axes import TOKEN_DTYPE_NAMES
+from ..core.registry import get_kernel, variants
+from ..core.results import RowIdMap, RowMapLayout, te_row_id_map, te_row_id_map_sizes
+from ..triton.host import chunk_sort
+from ..core.variant import Variant
 
 # torch dtype -> the dtype axis of the variants that move it
 _DTYPES = {getattr(torch, name): axis for axis, name in TOKEN_DTYPE_NAMES.items()}
@@ -302,7 +302,7 @@ def route_tallies(row_id_map, map_type="mask"):
 # Chunk sort
 # ---------------------------------------------------------------------------------------------
 
-# The chunk sort depends on no variant: the Triton target's one (permgen.triton_host.chunk_sort) moves
+# The chunk sort depends on no variant: the Triton target's one (permgen.triton.host.chunk_sort) moves
 # every token dtype.
 _TOKEN_DTYPES = tuple(_DTYPES)
 _CHUNK_SORT = chunk_sort()  # made here (no op is registered before its first call): calls look up no getter

@@ -8,7 +8,7 @@ bounds are an error unless the copy asks for `oob_mode.skip`, and rules that dif
 Trainium generations follow the Platform the kernel runs on (`on(Platform("trn3"))`; Trainium2
 by default). Where no page says what the hardware does, it refuses with "not documented".
 
-    from permgen import nki_emulator
+    from permgen.nki import emulator as nki_emulator
     nki_emulator.install()      # registers `nki`, `nki.language`, `nki.isa`, `nki.collectives`, ...
     import nki                  # ...only when the real package is not importable
 

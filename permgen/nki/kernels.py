@@ -6,11 +6,11 @@ the row map's layout, the routes of a token tile and the expert segments, the wa
 tile's route slots, the row gathers and scatters, and the chunk sort.
 
 Row order is expert-major and, within an expert, by ascending (token, slot); permute writes the row
-map of permgen.results.RowIdMap (its layout below, in one place). Tiles put one token (or permuted
+map of permgen.core.results.RowIdMap (its layout below, in one place). Tiles put one token (or permuted
 row) on each partition: P of them per tile, H_TILE hidden columns per SBUF tile. Every size that
 shapes a kernel is a static Python int: a kernel compiles once per shape and row count.
 
-LNC: permgen.nki_host launches every kernel at the LNC the environment declares (2 by default on
+LNC: permgen.nki.host launches every kernel at the LNC the environment declares (2 by default on
 Trn2 and Trn3). Core 0 does the work; it is not split between the cores. Outputs live in shared HBM,
 so only core 0 writes them (`store`). A kernel whose loops run on the device (mask routing without a
 topk hint: nl.fori_loop) runs whole on both cores, so that both run the same device loops with
@@ -27,9 +27,9 @@ import importlib.util
 import sys
 
 if "nki" not in sys.modules and importlib.util.find_spec("nki") is None:
-    from . import nki_emulator  # the NKI variants run on CPU tensors where the Neuron SDK is absent
+    from . import emulator  # the NKI variants run on CPU tensors where the Neuron SDK is absent
 
-    nki_emulator.install()
+    emulator.install()
 
 import nki  # noqa: E402
 import nki.isa as nisa  # noqa: E402
@@ -107,7 +107,7 @@ def _as_float(tile, rows, cols):
 
 
 # ---------------------------------------------------------------------------------------------
-# The row map (permgen.results.RowIdMap): one flat int32 HBM tensor, W slots per token,
+# The row map (permgen.core.results.RowIdMap): one flat int32 HBM tensor, W slots per token,
 #   dst rows [N, W] | mask routing only: experts [N, W], route counts [N] | segment offsets [E + 1] | segment counts [E]
 # (the route tallies after them are the host's). Every kernel takes its offsets from these.
 # ---------------------------------------------------------------------------------------------
@@ -796,7 +796,7 @@ def scatter_route_grads(grad_permuted, grad_probs, grad_out, permuted, merging_p
 
 # ---------------------------------------------------------------------------------------------
 # Chunk sort (TransformerEngine's moe_sort_chunks_by_index): output row r is input row rows[r].
-# permgen.nki_host finds rows from the chunk table (each chunk's start in the input and the output);
+# permgen.nki.host finds rows from the chunk table (each chunk's start in the input and the output);
 # the backward pass runs the same kernel on the gradients with rows from the table's inverse half.
 # Rows are gathered a tile of P at a time by one indirect DMA per column tile.
 # ---------------------------------------------------------------------------------------------

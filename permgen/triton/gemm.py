@@ -1,5 +1,5 @@
 """The grouped GEMM that reads its rows through permute's row map, so that the expert MLP
-(permgen.expert_mlp, save_memory=True) needs no permuted copy of the tokens. GatherOps registers
+(permgen.layers.expert_mlp, save_memory=True) needs no permuted copy of the tokens. GatherOps registers
 it as a torch.library custom op on first use, so the layer traces under torch.compile.
 
 Rows are expert-major, as permute lays them out: expert e owns rows [ends[e], ends[e + 1]) (pad
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import _Registered
+from ..core.ops import _Registered
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """The Triton kernels and helpers no variant axis changes, written once.
 
-permgen.triton_host launches the kernels here for every variant (the routing plan, unpermute, the
+permgen.triton.host launches the kernels here for every variant (the routing plan, unpermute, the
 backward passes, the chunk sort, the row gather); each generated module (generated/triton/<variant>.py)
 holds its permute kernel and imports the helpers it calls from here; `python -m generator vendor`
 inlines them into its self-contained file. What a variant's axes change (its probs, scales and
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 # ----------------------------------------------------------------------------------------------
-# The row map (int32 words; permgen.results.RowMapLayout states it for the hosts), for N tokens,
+# The row map (int32 words; permgen.core.results.RowMapLayout states it for the hosts), for N tokens,
 # K slots per token and E experts: dst rows [N * K]; mask routing only: experts [N * K], route
 # counts [N]; then segment offsets [E + 1], segment counts [E], route tallies [2] (routes dropped,
 # routes without a slot). These helpers are the kernels' one statement of it.
@@ -371,7 +371,7 @@ def zero_rows(program, segment_offsets_ptr, segment_counts_ptr, num_rows, tail_p
 def chunk_table_kernel(
     split_sizes_ptr,  # [C] rows of each input chunk (negative counts as empty)
     sorted_idxs_ptr,  # [C] the input chunk of each output chunk
-    table_ptr,  # int32 [4, C + 1], written (see permgen.ops.chunk_table)
+    table_ptr,  # int32 [4, C + 1], written (see permgen.core.ops.chunk_table)
     num_chunks,
     BLOCK_C: tl.constexpr,
 ):

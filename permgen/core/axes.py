@@ -21,8 +21,8 @@ AXIS_DEFAULTS = {"probs": True, "scale": "none", "quantize": "none", "pad": 0, "
 # Options: what a variant's modules offer beside its permutation. Not part of its name: two entries
 # that differ only in options are the same variant.
 #   expert_mlp  true: the Triton module has `expert_mlp`, the expert MLP with the permutation folded
-#               into its GEMMs (permgen.expert_mlp); bf16 tokens (torch._grouped_mm's dtype), or bf16
-#               quantised rowwise (torch._scaled_grouped_mm's FP8 GEMMs, permgen.fp8_gemm)
+#               into its GEMMs (permgen.layers.expert_mlp); bf16 tokens (torch._grouped_mm's dtype), or bf16
+#               quantised rowwise (torch._scaled_grouped_mm's FP8 GEMMs, permgen.layers.fp8_mlp)
 OPTIONS = ("expert_mlp",)
 OPTION_DEFAULTS = {"expert_mlp": False}
 EXPERT_MLP_DTYPES = ("bf16",)

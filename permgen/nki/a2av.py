@@ -29,7 +29,7 @@ The exchange is one of three, each on what the Neuron documentation allows
   not documented (the page's own example rank-lists are [[1, 2, 3, 4], [5, 6, 7, 8]]), so permgen
   picks this exchange only when asked: the caller, who knows its topology, vouches for it.
 
-LNC: the kernels run at the LNC the environment declares (permgen.nki_host.logical_cores(); trn3's
+LNC: the kernels run at the LNC the environment declares (permgen.nki.host.logical_cores(); trn3's
 all_to_all_v needs LNC=2). At LNC=2 the two physical cores of the logical core (one rank) split
 every row loop by tiles (tile i on core i mod 2, nl.program_id), both issue each collective, and
 `nisa.core_barrier` on a shared HBM tensor separates one core's writes to it from the other core's
@@ -47,7 +47,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .nki_host import ensure_nki, logical_cores
+from .host import ensure_nki, logical_cores
 
 ensure_nki()
 
@@ -551,7 +551,7 @@ def permute_a2av(hidden_states, packed_source_indices, send_counts, recv_capacit
     every row sent to this rank; replica_group an ncc.ReplicaGroup of EP-rank lists; generation
     "trn2" (default) or "trn3": the Trainium generation whose collectives the exchange uses; exchange
     None (the generation's default) or one of EXCHANGES (module doc). The kernel runs at the LNC the
-    environment declares (permgen.nki_host.logical_cores()).
+    environment declares (permgen.nki.host.logical_cores()).
 
     Returns (recv [recv_capacity, H] in hidden_states' dtype: rows from rank 0, then rank 1, ..., then
     zeros; metadata uint32 [4, EP]: send counts, send displacements, receive counts, receive

@@ -26,7 +26,7 @@ def _check_target(target):
 
 def _check_axis_values(axes):
     """Raise a ValueError naming the first axis whose value no variant can have (the spec's rules,
-    permgen.variant.axis_error)."""
+    permgen.core.variant.axis_error)."""
     problem = axis_error({**AXIS_DEFAULTS, **axes})
     if problem:
         key, message = problem

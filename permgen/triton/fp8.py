@@ -1,6 +1,6 @@
 """float8_e4m3fn (and bf16) conversion written once: the helpers the quantising permute kernels import
 (templates/triton/_quantize.py.jinja), and the row and column quantisers and the SwiGLU kernel of the
-FP8 expert MLP (permgen.fp8_gemm).
+FP8 expert MLP (permgen.layers.fp8_mlp).
 
 Scales are powers of two whose exponent is read from the bits of a row's (or block's) amax, and
 the conversion rounds to nearest even and saturates at +-448, so the CPU interpreter, the GPU and

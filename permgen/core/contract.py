@@ -1,5 +1,5 @@
 """The contract every variant keeps on every target: the argument checks of the public functions
-and the dtypes a variant's tensors take (the spec's axis values are permgen.axes').
+and the dtypes a variant's tensors take (the spec's axis values are permgen.core.axes').
 
 Both targets' host code and the tests call these checks; they raise the same exception with the
 same words whichever target runs the variant. This module imports no torch at load time.
@@ -7,7 +7,7 @@ same words whichever target runs the variant. This module imports no torch at lo
 
 from typing import NamedTuple, Optional
 
-# The spec's tables, also served here, where they were first published (permgen.contract.DTYPES, ...).
+# The spec's tables, also served here, where they were first published (permgen.core.contract.DTYPES, ...).
 from .axes import (AXES, AXIS_DEFAULTS, DTYPES, FP8_DTYPES, MAX_PAD, MAX_ROWS, PROB_DTYPE_NAMES,  # noqa: F401
                    QUANTIZABLE_DTYPES, QUANTIZED_DTYPE, QUANTIZES, ROUTINGS, SCALE_FORMATS, SCALES, TARGETS,
                    TOKEN_DTYPE_NAMES, variant_name)
@@ -16,7 +16,7 @@ from .variant import Variant
 
 def _variant(variant):
     """The Variant of a normalised spec entry (a generated module's VARIANT), torch dtypes bound; a
-    Variant as it is (permgen.ops binds its torch dtypes once; the checks run on every call)."""
+    Variant as it is (permgen.core.ops binds its torch dtypes once; the checks run on every call)."""
     if isinstance(variant, dict):
         return Variant.of(variant).bind_torch()
     return variant

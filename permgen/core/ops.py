@@ -1,10 +1,10 @@
 """permute, unpermute and the chunk sort, written once for every variant and target: argument
 checks, autograd and the torch.library ops over a target's backend.
 
-A generated module binds its kernels to a backend (`permgen.triton_host.TritonBackend`,
-`permgen.nki_host.NkiBackend`, both `Backend`s below) and exposes `ops = Ops(VARIANT, backend)`:
+A generated module binds its kernels to a backend (`permgen.triton.host.TritonBackend`,
+`permgen.nki.host.NkiBackend`, both `Backend`s below) and exposes `ops = Ops(VARIANT, backend)`:
 `ops.permute` and `ops.unpermute` are the module's public functions. A call checks its arguments
-(permgen.contract), then runs the backend, which allocates and launches; nothing else sits between.
+(permgen.core.contract), then runs the backend, which allocates and launches; nothing else sits between.
 
 Custom ops. A variant registers, in the `permgen` namespace under the prefix `<target>_<variant>_`
 (e.g. `permgen::triton_probs_bf16_mask_permute`), on its first call that needs them (under
@@ -74,7 +74,7 @@ class PermuteOutputs(NamedTuple):
     probs: Optional[torch.Tensor]  # [M] (variants with probs)
     scale: Optional[torch.Tensor]  # [M, S] moved or computed scales (variants that return scales)
     tokens_per_expert: torch.Tensor  # int64 [E]
-    row_map: torch.Tensor  # int32, laid out as permgen.results.RowMapLayout says
+    row_map: torch.Tensor  # int32, laid out as permgen.core.results.RowMapLayout says
     num_rows: int  # M
     # Whether the routing broke check_routing's rules, when the backend read that with the row count
     # (Backend.checks_routing_in_read); None when it did not.
@@ -94,7 +94,7 @@ class Backend(Protocol):
     target: str
     # Whether permute, given a plan without a row cap that checks the routing, reads the routing's
     # validity together with the row count (PermuteOutputs.bad_routing): then the check costs no
-    # host read of its own. Otherwise permgen.ops checks the routing before permute (one more read).
+    # host read of its own. Otherwise permgen.core.ops checks the routing before permute (one more read).
     checks_routing_in_read: bool
 
     def check_device(self, tokens: torch.Tensor) -> None: ...
@@ -701,7 +701,7 @@ class Ops(_Registered):
                                  num_out_tokens=None, topk=None, check_routing=None, from_ids=True) -> PermuteResult:
         """permute; with from_ids, index routing without num_experts takes max id + 1 as the expert
         count (one host sync; under torch.compile a data-dependent size), as TransformerEngine's
-        index maps do (permgen.te calls it)."""
+        index maps do (permgen.integrations.te calls it)."""
         plan = self._plan(tokens, routing, probs, scale, num_experts, num_out_tokens, topk, check_routing, from_ids)
         calls = self._calls(tokens, probs)
         if calls is None:

@@ -10,8 +10,8 @@ from .variant import Variant
 
 class RowMapLayout(NamedTuple):
     """Where each part of a row map starts, in int32 words: the one statement of the layout, which
-    every host takes its offsets from (the kernels' helpers in permgen.triton_kernels and
-    permgen.nki_kernels compute the same offsets; a test checks they agree).
+    every host takes its offsets from (the kernels' helpers in permgen.triton.kernels and
+    permgen.nki.kernels compute the same offsets; a test checks they agree).
 
         dst rows        [N * W]
         experts         [N * W]  mask routing only
@@ -59,7 +59,7 @@ class RowMapLayout(NamedTuple):
 
     @property
     def words(self) -> int:
-        """Words permute allocates: whole rows, so that TransformerEngine's functions (permgen.te) can
+        """Words permute allocates: whole rows, so that TransformerEngine's functions (permgen.integrations.te) can
         read the sizes back from a 2-D view. A mask map is [N + ceil((2E + 3) / (2W + 1)), 2W + 1] words
         ([N + 2, 2E + 1] when W = E), an index map [N + 2E + 3, W]; the words past `end` are never read."""
         tail = 2 * self.num_experts + 1 + ROUTE_TALLIES
@@ -83,7 +83,7 @@ def row_map_words(mask: bool, num_tokens: int, width: int, num_experts: int) -> 
 
 
 def write_route_tallies(variant, routing, row_map, num_tokens: int, width: int, num_experts: int):
-    """Write the row map's route tallies (permgen.results.RowIdMap.dropped) with torch ops, for a
+    """Write the row map's route tallies (permgen.core.results.RowIdMap.dropped) with torch ops, for a
     target whose kernels do not count them: routes dropped (slotted routes past the row cap, and
     the routes without a slot), then those without a slot."""
     layout = RowMapLayout(variant.mask, num_tokens, width, num_experts)
@@ -220,7 +220,7 @@ class PermuteResult(NamedTuple):
         return self.row_id_map.dropped
 
 
-# TransformerEngine's functions (permgen.te) return the row map as one int32 tensor shaped so that
+# TransformerEngine's functions (permgen.integrations.te) return the row map as one int32 tensor shaped so that
 # moe_unpermute reads every size it needs from it, whatever arguments it is given:
 #     mask maps    [N + 2, 2E + 1]               the row map (W = E), viewed 2-D (RowMapLayout.words)
 #     padded maps  [align_size, N + 2, 2E + 1]   the same, broadcast over a first dimension of

@@ -1,8 +1,8 @@
 """The Triton target's host side, written once for every variant: allocation and launches.
 
-A generated module hands its permute kernel to `TritonBackend` (a permgen.ops.Backend), which
-launches it beside the kernels no variant axis changes (permgen.triton_kernels': the routing plan,
-unpermute and the backward passes, each taking the routing kind as the constexpr MASK); `permgen.ops`
+A generated module hands its permute kernel to `TritonBackend` (a permgen.core.ops.Backend), which
+launches it beside the kernels no variant axis changes (permgen.triton.kernels': the routing plan,
+unpermute and the backward passes, each taking the routing kind as the constexpr MASK); `permgen.core.ops`
 checks arguments and adds autograd on top. Launch geometry (route tiles, row blocks, register caps)
 lives here as tuning numbers; what a variant specialises is in its permute kernel. The chunk sort and
 the row gather, which no variant changes either, are `TritonChunkKernels` (one `chunk_sort()` for all).
@@ -18,13 +18,13 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from .ops import ChunkSort, Grads, PermuteOutputs
-from .results import RowMapLayout
-from .triton_kernels import (chunk_table_kernel, gather_rows_kernel, index_route_kernel, mask_route_kernel,
+from ..core.ops import ChunkSort, Grads, PermuteOutputs
+from ..core.results import RowMapLayout
+from .kernels import (chunk_table_kernel, gather_rows_kernel, index_route_kernel, mask_route_kernel,
                              permute_backward_kernel, route_prob_grads_kernel, scatter_routes_kernel,
                              sort_chunks_kernel, sort_chunks_probs_kernel, sum_routes_kernel,
                              unpermute_backward_kernel, unpermute_kernel)
-from .variant import Variant
+from ..core.variant import Variant
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
 _ROW_BYTES_PER_WARP = 512  # 16-byte vectors for each of 32 lanes per step of a row loop
@@ -177,8 +177,8 @@ class _PermuteProgram(NamedTuple):
 
 
 class TritonBackend:
-    """Allocates and launches one variant's kernels (permgen.ops.Backend): its permute kernel, and
-    permgen.triton_kernels' for the rest."""
+    """Allocates and launches one variant's kernels (permgen.core.ops.Backend): its permute kernel, and
+    permgen.triton.kernels' for the rest."""
 
     target = "triton"
     checks_routing_in_read = True
@@ -288,7 +288,7 @@ class TritonBackend:
 
     def _route_meta(self, width, num_experts, num_tokens, num_rows, prob_grads):
         """K, ROUTES, E and the routing kind (MASK) of a kernel that visits each token's route slots
-        (permgen.triton_kernels' gathers and scatters take them all, used or not), and E_POW2 where it
+        (permgen.triton.kernels' gathers and scatters take them all, used or not), and E_POW2 where it
         writes prob grads (prob_grads; mask routing zeroes rows of E of them)."""
         meta = dict(K=width, ROUTES=self._route_tile(width, num_experts, num_tokens, num_rows), E=num_experts)
         if prob_grads:
@@ -490,8 +490,8 @@ class TritonBackend:
 
 
 class TritonChunkKernels:
-    """The chunk sort and the row gather, for every dtype (permgen.ops.ChunkKernels): kernels that
-    depend on no variant (permgen.triton_kernels')."""
+    """The chunk sort and the row gather, for every dtype (permgen.core.ops.ChunkKernels): kernels that
+    depend on no variant (permgen.triton.kernels')."""
 
     target = "triton"
 
@@ -512,7 +512,7 @@ class TritonChunkKernels:
 
     def chunk_table(self, split_sizes, sorted_idxs):
         """int32 [4, C + 1]: where each chunk starts, in the input and in the output (layout:
-        permgen.ops.chunk_table), computed by one program on the device."""
+        permgen.core.ops.chunk_table), computed by one program on the device."""
         num_chunks = split_sizes.shape[0]
         table = torch.empty((4, num_chunks + 1), dtype=torch.int32, device=split_sizes.device)
         launch = self._table_launch(num_chunks, (split_sizes.dtype, sorted_idxs.dtype))
@@ -568,7 +568,7 @@ _CHUNK_SORT = None  # made on first use; every variant shares it, so its ops are
 
 
 def chunk_sort() -> ChunkSort:
-    """The Triton target's chunk sort (permgen.triton_kernels' kernels), the same for every variant."""
+    """The Triton target's chunk sort (permgen.triton.kernels' kernels), the same for every variant."""
     global _CHUNK_SORT
     if _CHUNK_SORT is None:
         _CHUNK_SORT = ChunkSort(TritonChunkKernels())

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .ops import _Registered
-from .triton_fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits, quantize_columns, quantize_rows, row_tiles
+from ..core.ops import _Registered
+from ..triton.fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits, quantize_columns, quantize_rows, row_tiles
 
 
 class Fp8ExpertWeights(NamedTuple):

@@ -657,7 +657,7 @@ def new_tensor(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
 
 
 
-# -- which core this thread runs (permgen.nki_emulator._cores launches them) ---------------------
+# -- which core this thread runs (permgen.nki.emulator._cores launches them) ---------------------
 
 _local = threading.local()
 
