@@ -10,8 +10,8 @@ import re
 import tomllib
 from pathlib import Path
 
-from permgen.core.axes import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES, QUANTIZES,  # noqa: F401 (the tables)
-                              ROUTINGS, SCALES, TARGETS)
+from permgen.core.axes import (AXES, DTYPES, FP8_DTYPES, MAX_PAD, QUANTIZABLE_DTYPES,  # noqa: F401 (the tables)
+                               QUANTIZES, ROUTINGS, SCALES, TARGETS)
 from permgen.core.axes import AXIS_DEFAULTS, OPTION_DEFAULTS, OPTIONS
 from permgen.core.variant import Variant, axis_error
 

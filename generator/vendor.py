@@ -38,7 +38,8 @@ def _resolve(node: ast.stmt, package: str):
     them as modules: `from . import kernels`) for a statement in a module of `package`; ([], False)
     for any other import."""
     if isinstance(node, ast.Import):
-        return [a.name.split(".", 1)[1] for a in node.names if a.name.split(".")[0] == "permgen" and "." in a.name], False
+        names = [a.name.split(".", 1) for a in node.names]
+        return [parts[1] for parts in names if parts[0] == "permgen" and len(parts) == 2], False
     if not isinstance(node, ast.ImportFrom):
         return [], False
     parts = (node.module or "").split(".") if node.module else []

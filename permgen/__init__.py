@@ -47,9 +47,11 @@ _serve_checkout_kernels()
 # module object itself (imported only when the old name is), and names under an old package name
 # (permgen.nki_emulator.testing) follow it.
 MOVED = {"variant": "core.variant", "axes": "core.axes", "contract": "core.contract", "results": "core.results",
-         "registry": "core.registry", "ops": "core.ops", "triton_host": "triton.host", "triton_kernels": "triton.kernels",
-         "triton_gemm": "triton.gemm", "triton_fp8": "triton.fp8", "nki_host": "nki.host", "nki_kernels": "nki.kernels",
-         "nki_a2av": "nki.a2av", "neuron_ops": "nki.custom_ops", "nki_emulator": "nki.emulator",
+         "registry": "core.registry", "ops": "core.ops",
+         "triton_host": "triton.host", "triton_kernels": "triton.kernels", "triton_gemm": "triton.gemm",
+         "triton_fp8": "triton.fp8",
+         "nki_host": "nki.host", "nki_kernels": "nki.kernels", "nki_a2av": "nki.a2av", "neuron_ops": "nki.custom_ops",
+         "nki_emulator": "nki.emulator",
          "expert_mlp": "layers.expert_mlp", "fp8_gemm": "layers.fp8_mlp", "te": "integrations.te"}
 
 

@@ -42,7 +42,8 @@ def _a2av_on_the_emulator():
         return nki_a2av
     with nki_modules_restored():
         nki_emulator.install(force=True)
-        spec = importlib.util.spec_from_file_location("permgen.nki._emulated_a2av", ROOT / "permgen" / "nki" / "a2av.py")
+        path = ROOT / "permgen" / "nki" / "a2av.py"
+        spec = importlib.util.spec_from_file_location("permgen.nki._emulated_a2av", path)
         module = importlib.util.module_from_spec(spec)
         module.__package__ = "permgen.nki"
         spec.loader.exec_module(module)

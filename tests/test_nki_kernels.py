@@ -227,7 +227,8 @@ def test_nothing_read_back_with_num_out_tokens(name, monkeypatch, request):
     reads = []
     real = nki_host.NkiBackend._read_back
     monkeypatch.setattr(nki_host.NkiBackend, "_read_back", lambda self, counts: reads.append(counts) or real(self, counts))
-    monkeypatch.setattr("permgen.core.ops.routing_error", lambda *a: pytest.fail("check_routing ran with num_out_tokens"))
+    monkeypatch.setattr("permgen.core.ops.routing_error",
+                        lambda *a: pytest.fail("check_routing ran with num_out_tokens"))
     cap = needed_rows(mod.VARIANT, inputs[1], case.E) + 3
     with nki_emulator.recording() as runs:
         res = mod.permute(*inputs, num_experts=case.E, num_out_tokens=cap)
