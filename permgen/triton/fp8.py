@@ -1,6 +1,7 @@
-"""float8_e4m3fn (and bf16) conversion written once: the helpers the quantising permute kernels import
-(templates/triton/_quantize.py.jinja), and the row and column quantisers and the SwiGLU kernel of the
-FP8 expert MLP (permgen.layers.fp8_mlp).
+"""float8_e4m3fn quantisation written once, for the quantising permutes (templates/triton/_quantize.py.jinja
+imports these helpers) and the FP8 expert MLP (permgen.layers.fp8_mlp): the bf16 and fp8 conversions,
+the scale rule of every scale kind (scale_rule), and the one two-pass quantiser (quantize_along) that
+the row quantiser, the column quantiser and the rowwise quantising permute run, each along its axis.
 
 Scales are powers of two whose exponent is read from the bits of a row's (or block's) amax, and
 the conversion rounds to nearest even and saturates at +-448, so the CPU interpreter, the GPU and
@@ -62,39 +63,99 @@ def fp32_to_bf16_bits(x):
 
 
 @triton.jit
-def rowwise_factor(amax_bits):
-    """(scale exponent, factor, tail) of the rowwise rule (block128's over a whole row) for the bits of
-    a row's amax: the scale is 2^(exponent - 127) and the row's values are multiplied by factor, then
-    tail. amax is clamped below at 1e-4 (0x38D1B717); a non-finite row gets the scale 2^127 and the
-    factor 2^-127, applied as 2^-126 and then 1/2 (a subnormal factor may be flushed to zero on the GPU)."""
+def magnitude_bits(x):
+    """|x| of fp32 x as int32 bits: non-negative floats order like their bits, and NaN above Inf, so a
+    max over them is exact and NaN-propagating on every target."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def scale_rule(amax_bits, E8M0: tl.constexpr):
+    """(exponent, factor, tail) of a block whose largest |x| has the bits amax_bits (magnitude_bits): the
+    block's scale is 2^(exponent - 127) and its values are multiplied by factor, then tail.
+
+    fp32 scales (block128, rowwise: E8M0 false): amax clamped below at 1e-4 (0x38D1B717); a block
+    holding NaN or Inf gets the scale 2^127. e8m0 scales (mx32): the exponent byte itself, 0 for an
+    amax of at most 448 * 2^-127, 0xFF for NaN or Inf. A non-finite block's factor, 2^-127 (2^-128
+    for e8m0), is subnormal (the GPU may flush it to zero): it is applied as 2^-126 and then 1/2
+    (1/4), which is exact wherever the result can reach fp8."""
     non_finite = amax_bits >= 0x7F800000
-    exponent = tl.where(non_finite, 254, ceil_exponent(tl.maximum(amax_bits, 0x38D1B717)))
+    if E8M0:
+        exponent = tl.where(non_finite, 255, ceil_exponent(amax_bits))
+        tail = tl.where(non_finite, 0.25, 1.0)
+    else:
+        exponent = tl.where(non_finite, 254, ceil_exponent(tl.maximum(amax_bits, 0x38D1B717)))
+        tail = tl.where(non_finite, 0.5, 1.0)
     factor = (tl.maximum(254 - exponent, 1) << 23).to(tl.float32, bitcast=True)
-    return exponent, factor, tl.where(non_finite, 0.5, 1.0)
+    return exponent, factor, tail
+
+
+@triton.jit
+def fp32_scale(exponent):
+    """2^(exponent - 127) as fp32."""
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_fp32(ptrs, mask):
+    """The values at ptrs as fp32 (0 where not mask): bf16 passed as its int16 bits (bf16_bits_as_fp32),
+    other float dtypes converted."""
+    values = tl.load(ptrs, mask=mask, other=0)
+    if ptrs.dtype.element_ty == tl.int16:
+        return bf16_bits_as_fp32(values)
+    return values.to(tl.float32)
+
+
+@triton.jit
+def _along(i0, BLOCK: tl.constexpr, AXIS: tl.constexpr):
+    """Indices i0 .. i0 + BLOCK - 1 laid along AXIS of a 2-D tile."""
+    return tl.expand_dims(i0 + tl.arange(0, BLOCK), 1 - AXIS)
+
+
+@triton.jit
+def quantize_along(x_ptr, src, src_live, out_ptr, dst, dst_live, length, stride, AXIS: tl.constexpr,
+                   BLOCK: tl.constexpr, HARDWARE_CAST: tl.constexpr):
+    """The rowwise rule's two-pass quantiser (block128's rule over a whole vector): the vectors of a 2-D
+    tile, each `length` values along AXIS (1: the tile's rows, 0: its columns), to float8_e4m3fn bytes
+    with one fp32 power-of-two scale per vector, returned ([tile size across AXIS]).
+
+    A vector's value i is read at x_ptr + src + i * stride (where src_live; None: everywhere) and its
+    byte written to out_ptr + dst + i (where dst_live; dst may broadcast one vector to several rows).
+    A first pass finds each vector's amax, BLOCK values at a time; a second, its loads served by the
+    cache, scales, converts and stores (on the H200, holding a row in registers instead ran the Mixtral
+    permute 1.05-1.2x slower). A vector stored across the tile (AXIS = 0) is transposed first, so that
+    the stores run along the output's rows."""
+    first = _along(0, BLOCK, AXIS)
+    amax_bits = tl.zeros((src + first).shape, dtype=tl.int32)
+    for i0 in range(0, length, BLOCK):
+        i = _along(i0, BLOCK, AXIS)
+        where = i < length if src_live is None else src_live & (i < length)
+        amax_bits = tl.maximum(amax_bits, magnitude_bits(load_fp32(x_ptr + src + i * stride, where)))
+    exponent, factor, tail = scale_rule(tl.max(amax_bits, axis=AXIS), E8M0=False)
+    factor = tl.expand_dims(factor, AXIS)
+    tail = tl.expand_dims(tail, AXIS)
+    for i0 in range(0, length, BLOCK):
+        i = _along(i0, BLOCK, AXIS)
+        where = i < length if src_live is None else src_live & (i < length)
+        q = fp8_e4m3_bytes(load_fp32(x_ptr + src + i * stride, where) * factor * tail, HARDWARE_CAST)
+        if AXIS == 0:
+            tl.store(tl.trans(out_ptr + dst + i), tl.trans(q), mask=tl.trans(dst_live & (i < length)))
+        else:
+            tl.store(out_ptr + dst + i, q, mask=dst_live & (i < length))
+    return fp32_scale(exponent)
 
 
 @triton.jit
 def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                          HARDWARE_CAST: tl.constexpr):
     """ROWS rows of bf16 x [rows, cols] (as int16 bits) per program: float8_e4m3fn bytes and one fp32
-    scale per row, the rowwise rule of the quantising permute (block128's over the whole row). A first
-    pass finds each row's amax, a second (its loads served by the cache) scales and converts."""
+    scale per row (quantize_along over the tile's rows)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = row < rows
     base = row.to(tl.int64)[:, None] * cols
-    amax_bits = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
-    for c0 in range(0, cols, BLOCK):
-        col = c0 + tl.arange(0, BLOCK)
-        bits = tl.load(x_ptr + base + col[None, :], mask=live[:, None] & (col < cols)[None, :], other=0)
-        amax_bits = tl.maximum(amax_bits, bf16_bits_as_fp32(bits).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    exponent, factor, tail = rowwise_factor(tl.max(amax_bits, axis=1))
-    for c0 in range(0, cols, BLOCK):
-        col = c0 + tl.arange(0, BLOCK)
-        where = live[:, None] & (col < cols)[None, :]
-        x = bf16_bits_as_fp32(tl.load(x_ptr + base + col[None, :], mask=where, other=0))
-        tl.store(out_ptr + base + col[None, :], fp8_e4m3_bytes(x * factor[:, None] * tail[:, None], HARDWARE_CAST),
-                 mask=where)
-    tl.store(scale_ptr + row, (exponent << 23).to(tl.float32, bitcast=True), mask=live)
+    scale = quantize_along(x_ptr, base, live[:, None], out_ptr, base, live[:, None], cols, 1, 1, BLOCK,
+                           HARDWARE_CAST)
+    tl.store(scale_ptr + row, scale, mask=live)
 
 
 def row_tiles(rows, cols):
@@ -124,25 +185,13 @@ def quantize_columns_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK_R: tl.c
                             HARDWARE_CAST: tl.constexpr):
     """BLOCK_C columns of matrix program_id(1) of bf16 x [B, rows, cols] (as int16 bits), transposed and
     quantised by the rowwise rule: out [B, cols, rows] float8_e4m3fn bytes, one fp32 scale per column
-    (scale [B, cols]). A first pass finds each column's amax, a second scales, converts and stores
-    the tile transposed."""
+    (scale [B, cols]; quantize_along over the tile's columns)."""
     matrix = tl.program_id(1).to(tl.int64) * rows * cols
     col = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    amax_bits = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
-    for r0 in range(0, rows, BLOCK_R):
-        row = r0 + tl.arange(0, BLOCK_R)
-        bits = tl.load(x_ptr + matrix + row[:, None] * cols + col[None, :],
-                       mask=(row < rows)[:, None] & (col < cols)[None, :], other=0)
-        amax_bits = tl.maximum(amax_bits, bf16_bits_as_fp32(bits).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    exponent, factor, tail = rowwise_factor(tl.max(amax_bits, axis=0))
-    for r0 in range(0, rows, BLOCK_R):
-        row = r0 + tl.arange(0, BLOCK_R)
-        where = (row < rows)[:, None] & (col < cols)[None, :]
-        x = bf16_bits_as_fp32(tl.load(x_ptr + matrix + row[:, None] * cols + col[None, :], mask=where, other=0))
-        q = fp8_e4m3_bytes(x * factor[None, :] * tail[None, :], HARDWARE_CAST)
-        tl.store(out_ptr + matrix + col[:, None] * rows + row[None, :], tl.trans(q), mask=tl.trans(where))
-    tl.store(scale_ptr + tl.program_id(1).to(tl.int64) * cols + col, (exponent << 23).to(tl.float32, bitcast=True),
-             mask=col < cols)
+    live = (col < cols)[None, :]
+    scale = quantize_along(x_ptr, matrix + col[None, :], live, out_ptr, matrix + col[None, :] * rows, live, rows,
+                           cols, 0, BLOCK_R, HARDWARE_CAST)
+    tl.store(scale_ptr + tl.program_id(1).to(tl.int64) * cols + col, scale, mask=col < cols)
 
 
 def quantize_columns(x):
