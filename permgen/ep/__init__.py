@@ -64,8 +64,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ..core.contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes, routing_error,
-                       scale_columns, scale_dtype)
+from ..core.contract import (_is_int, check_permute, check_tensor, combine_dtype, out_dtype, prob_dtypes,
+                             routing_error, scale_columns, scale_dtype)
 from ..core.ops import _call_key, _eager_apply, _prefix, _Registered, _remember
 from ..core.results import RowIdMap, RowMapLayout, row_map_words
 

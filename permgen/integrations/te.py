@@ -40,8 +40,8 @@ import torch
 from ..core.axes import TOKEN_DTYPE_NAMES
 from ..core.registry import get_kernel, variants
 from ..core.results import RowIdMap, RowMapLayout, te_row_id_map, te_row_id_map_sizes
-from ..triton.host import chunk_sort
 from ..core.variant import Variant
+from ..triton.host import chunk_sort
 
 # torch dtype -> the dtype axis of the variants that move it
 _DTYPES = {getattr(torch, name): axis for axis, name in TOKEN_DTYPE_NAMES.items()}
@@ -225,12 +225,17 @@ def moe_permute_and_pad_with_probs(inp, probs, routing_map, tokens_per_expert, a
     the pad rows before each expert's segment, padded_tokens_per_expert [E] int64). The row map
     carries the alignment: moe_unpermute needs no pad_offsets (it accepts them)."""
     where = "moe_permute_and_pad_with_probs"
-    if not isinstance(tokens_per_expert, torch.Tensor):
-        raise TypeError(f"{where}: tokens_per_expert must be a tensor [E], got {type(tokens_per_expert).__name__}")
+    if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.is_floating_point() \
+            or tokens_per_expert.is_complex() or tokens_per_expert.dtype == torch.bool:
+        raise TypeError(f"{where}: tokens_per_expert must be an integer tensor [E], got "
+                        f"{getattr(tokens_per_expert, 'dtype', type(tokens_per_expert).__name__)}")
     if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0:
         raise ValueError(f"{where}: align_size must be a positive int, got {align_size!r}")
     res = _permute(where, inp, routing_map, probs, -1, "mask", pad=align_size)
     padded = res.tokens_per_expert
+    if tokens_per_expert.shape != padded.shape:  # it would broadcast into pad_offsets of another shape
+        raise ValueError(f"{where}: tokens_per_expert must have shape [{padded.shape[0]}] (one count per expert "
+                         f"of routing_map), got {list(tokens_per_expert.shape)}")
     pad_rows = padded - tokens_per_expert.to(device=padded.device, dtype=padded.dtype)
     pad_offsets = torch.cumsum(pad_rows, 0) - pad_rows
     return res.tokens, res.probs, _te_row_id_map(res, "mask", where), pad_offsets, padded

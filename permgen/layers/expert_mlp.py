@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..core.contract import check_tensor
-from .fp8_mlp import Fp8ExpertWeights, Fp8Ops, swiglu
 from ..triton.gemm import GatherOps
+from .fp8_mlp import Fp8ExpertWeights, Fp8Ops, swiglu
 
 
 def _row_tokens(row_id_map):

@@ -20,11 +20,11 @@ from triton.runtime.jit import JITFunction
 
 from ..core.ops import ChunkSort, Grads, PermuteOutputs
 from ..core.results import RowMapLayout
-from .kernels import (chunk_table_kernel, gather_rows_kernel, index_route_kernel, mask_route_kernel,
-                             permute_backward_kernel, route_prob_grads_kernel, scatter_routes_kernel,
-                             sort_chunks_kernel, sort_chunks_probs_kernel, sum_routes_kernel,
-                             unpermute_backward_kernel, unpermute_kernel)
 from ..core.variant import Variant
+from .kernels import (chunk_table_kernel, gather_rows_kernel, index_route_kernel, mask_route_kernel,
+                      permute_backward_kernel, route_prob_grads_kernel, scatter_routes_kernel,
+                      sort_chunks_kernel, sort_chunks_probs_kernel, sum_routes_kernel, unpermute_backward_kernel,
+                      unpermute_kernel)
 
 _NO_CAP = 2**31 - 1  # row cap when num_out_tokens is not given: nothing is dropped
 _ROW_BYTES_PER_WARP = 512  # 16-byte vectors for each of 32 lanes per step of a row loop
