@@ -326,3 +326,42 @@ def test_capacity_is_a_bounded_power_of_two():
     for rows, want in [(1, 1), (5, 8), (16, 16), (17, 32), (70, 80), (80, 80)]:
         assert backend.capacity(rows, 10, 2, 4) == min(want, most)
     assert {backend.capacity(r, 10, 2, 4) for r in range(1, most + 1)} == {1, 2, 4, 8, 16, 32, 64, most}
+
+
+# ---------------------------------------------------------------------------------------------
+# The caller's tensors are the caller's
+# ---------------------------------------------------------------------------------------------
+
+def _resizable(t):
+    """Whether t's storage can still grow (Tensor.numpy() marks a storage as not resizable)."""
+    try:
+        t.detach().resize_(t.numel() + 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["probs_bf16_mask", "probs_pad32_fp8e4m3_mx32_index"])
+def test_calls_leave_the_callers_tensors_as_they_were(name, request, monkeypatch):
+    """An emulated call (forward and backward, through the chunk sort too) reads the caller's tensors
+    without changing them: their storages stay resizable, as before the call."""
+    mod = load("nki", name)
+    g = generator_for(request)
+    with generation_for(mod.VARIANT, monkeypatch):
+        tokens, routing, probs, scale = make_inputs(mod.VARIANT, CASE, torch.device("cpu"), g)
+        leaves = [t.clone().requires_grad_(t.is_floating_point() and t.element_size() > 1) if t is not None else None
+                  for t in (tokens, routing, probs, scale)]
+        res = mod.permute(*leaves, num_experts=CASE.E)
+        rows = random_like(res.tokens.shape, torch.bfloat16, torch.device("cpu"), g).requires_grad_()
+        merging = torch.rand(leaves[2].shape, generator=g)
+        out = mod.unpermute(rows, res.row_id_map, merging)
+        grad_out = random_like(out.shape, out.dtype, torch.device("cpu"), g)
+        out.backward(grad_out)
+        split, order = torch.tensor([CASE.N - 3, 3]), torch.tensor([1, 0])
+        chunks = tokens.clone()
+        sorted_rows = mod.sort_chunks(chunks, split, order)
+        callers = {"chunks": chunks, "tokens": leaves[0], "routing": leaves[1], "probs": leaves[2], "scale": leaves[3], "rows": rows,
+                   "merging_probs": merging, "grad_out": grad_out, "split_sizes": split, "sorted_idxs": order}
+    assert sorted_rows[0].shape == tokens.shape
+    changed = [what for what, t in callers.items() if t is not None and not _resizable(t)]
+    assert not changed, f"no longer resizable after the call: {changed}"

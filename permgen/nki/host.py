@@ -106,12 +106,13 @@ def from_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def to_kernel(t: torch.Tensor) -> np.ndarray:
-    """A kernel argument: the tensor's data as a NumPy array (what nki.simulate takes)."""
+    """A kernel argument: the tensor's data as a NumPy array (what nki.simulate takes), shared through
+    DLPack: Tensor.numpy() would mark the caller's storage as never resizable again."""
     t = t.detach().contiguous()
     if t.dtype in _VIEWS:
         word, _, np_dtype = _VIEWS[t.dtype]
-        return t.view(word).numpy().view(np_dtype)
-    return t.numpy()
+        return np.from_dlpack(t.view(word)).view(np_dtype)
+    return np.from_dlpack(t)
 
 
 def from_kernel(a: np.ndarray) -> torch.Tensor:
