@@ -197,6 +197,22 @@ def test_permute_and_pad_with_merging_probs(dtype, align, mode, request):
     check_grads((out, permuted_probs, unpermuted), (ref_out, ref_probs, ref_unpermuted), (inp, p), (inp_r, p_r), g)
 
 
+@pytest.mark.parametrize("bad", ["[1]", "[1, E]", "[E - 1]", "float", "bool", "int"])
+def test_permute_and_pad_refuses_tokens_per_expert_not_one_count_per_expert(bad, request):
+    """tokens_per_expert is an integer tensor [E]: one of another shape would broadcast into pad_offsets
+    of the wrong shape or values, and a float one would be rounded into them; both are refused."""
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, "bf16")
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    counts = mask.sum(0)
+    given = {"[1]": counts[:1], "[1, E]": counts[None], "[E - 1]": counts[:-1], "float": counts.float(),
+             "bool": counts > 0, "int": int(counts[0])}[bad]
+    error, words = (TypeError, "must be an integer tensor") if bad in ("float", "bool", "int") else \
+        (ValueError, rf"must have shape \[{E}\] \(one count per expert of routing_map\), got \[")
+    with pytest.raises(error, match=rf"moe_permute_and_pad_with_probs: tokens_per_expert {words}"):
+        permgen.moe_permute_and_pad_with_probs(tokens, probs, mask, given, 128)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fewer rows than permute made
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +361,37 @@ def test_unpermute_refuses_an_index_map_read_as_a_mask_map(num_tokens, request):
     with pytest.raises(ValueError, match=r"map_type='index', but row_id_map .* is not an index map"):
         permgen.moe_unpermute(mask_out, _bare(mask_map), map_type="index")
     assert permgen.moe_unpermute(out, _bare(row_id_map), map_type="index").shape == (num_tokens * 3, H)
+
+
+# A part of a map (te.py's layouts) -> what it would be read as without the checks: fewer tokens,
+# other offsets, fewer experts or slots, another alignment.
+_PARTS = {"mask": ["[1:]", "[:-1]", "[:, :-2]", "[2:, 2:]", ".view(-1)[:-2 * E - 1].view(-1, 2 * E + 1)"],
+          "padded": ["[:64]", "[:, 1:]", "[:, :-1]", "[:, :, :-2]"],
+          "index": ["[:-2]", "[:4]", "[:, :, :1]", "[:, :-2]"]}
+
+
+@pytest.mark.parametrize("map_type, part", [(m, p) for m, parts in _PARTS.items() for p in parts])
+def test_a_part_of_a_map_is_refused(map_type, part, request):
+    """A slice or other view of the row_id_map a permute returned (its shape still a map's) is refused,
+    by moe_unpermute and route_tallies; the map itself, a view of all of it, and a copy of it are not."""
+    g = generator_for(request)
+    tokens, ids, probs = inputs(g, "bf16")
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE)
+    if map_type == "index":
+        out, row_id_map = permgen.moe_permute(tokens, ids, map_type="index")
+    elif map_type == "padded":
+        out, _, row_id_map, _, _ = permgen.moe_permute_and_pad_with_probs(tokens, probs, mask, mask.sum(0), 128)
+    else:
+        out, row_id_map = permgen.moe_permute(tokens, mask)
+    te_type = "index" if map_type == "index" else "mask"
+    sliced = eval("row_id_map" + part)  # noqa: S307 (the parts above)
+    with pytest.raises(ValueError, match=r"moe_unpermute: row_id_map .* is a part of the map a permute returned"):
+        permgen.moe_unpermute(out, sliced, map_type=te_type)
+    with pytest.raises(ValueError, match=r"route_tallies: row_id_map .* is a part of the map a permute returned"):
+        permgen.integrations.te.route_tallies(sliced, te_type)
+    want = permgen.moe_unpermute(out, row_id_map, map_type=te_type)
+    for whole in (_bare(row_id_map), row_id_map.clone()):
+        assert_bits_equal(permgen.moe_unpermute(out, whole, map_type=te_type), want, "a whole map")
 
 
 def test_expert_ids_passed_as_a_capped_mask_are_counted_and_asserted(request):

@@ -230,11 +230,33 @@ class PermuteResult(NamedTuple):
 #                                                dimensions, so that no index map has a mask map's shape
 
 def te_row_id_map(row_id_map: RowIdMap, map_type: str, pad: int) -> torch.Tensor:
-    """The row map of a permute as TransformerEngine's row_id_map (the layout above)."""
+    """The row map of a permute as TransformerEngine's row_id_map (the layout above). Eagerly, the
+    row map's memory records the view made of it, so that a part of it is known (te_row_id_map_sizes)."""
     if map_type == "index":
-        return row_id_map.row_map.view(-1, row_id_map.width, 1).expand(row_id_map.num_tokens + 1, -1, -1, -1)
-    rows = row_id_map.row_map.view(-1, 2 * row_id_map.num_experts + 1)
-    return rows.expand(pad, -1, -1) if pad else rows
+        te_map = row_id_map.row_map.view(-1, row_id_map.width, 1).expand(row_id_map.num_tokens + 1, -1, -1, -1)
+    else:
+        rows = row_id_map.row_map.view(-1, 2 * row_id_map.num_experts + 1)
+        te_map = rows.expand(pad, -1, -1) if pad else rows
+    if not torch.compiler.is_compiling():
+        te_map._base._permgen_te_view = _view_of(te_map)
+    return te_map
+
+
+def _view_of(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset()
+
+
+def _whole(row_id_map: torch.Tensor, words: torch.Tensor) -> bool:
+    """Whether row_id_map, whose row map words are `words`, is all of a map: the view the permute made
+    (as its memory records), or without that record, a tensor whose words start its memory and fill it,
+    contiguous (a padded or index map: its broadcast over the first dimension, or a copy of that)."""
+    made = getattr(row_id_map._base, "_permgen_te_view", None)
+    if made is not None:
+        return made == _view_of(row_id_map)
+    stored = row_id_map.untyped_storage().nbytes() // row_id_map.element_size()
+    if row_id_map.dim() > 2 and row_id_map.stride(0) != 0:  # a copy of a broadcast map: all of it in memory
+        words = row_id_map
+    return row_id_map.storage_offset() == 0 and words.is_contiguous() and stored == words.numel()
 
 
 def te_row_id_map_sizes(row_id_map, map_type: str, where: str):
@@ -243,7 +265,9 @@ def te_row_id_map_sizes(row_id_map, map_type: str, where: str):
     A shape that is not the map_type's is refused: an index map read as a mask map (or the reverse)
     would be read at the wrong offsets. Mask maps have 2 or 3 dimensions (a padded one's first is the
     alignment, a power of two <= MAX_PAD; the last is 2E + 1, odd), index maps 4 (the last 1; the
-    second less the first is 2E + 2, even and >= 4): the shape alone tells them apart."""
+    second less the first is 2E + 2, even and >= 4): the shape alone tells them apart. A part of a
+    map (a slice, or another view of it) is refused, eagerly: see _whole. Values are never read, so a
+    copy of a part passes as the whole map of fewer tokens."""
     if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32:
         raise TypeError(f"{where}: row_id_map must be the int32 tensor returned by permgen's moe_permute functions")
     shape = list(row_id_map.shape)
@@ -254,13 +278,20 @@ def te_row_id_map_sizes(row_id_map, map_type: str, where: str):
                              "[N + 1, N + 2E + 3, k, 1] (is map_type the one given to moe_permute?)")
         num_tokens, width = shape[0] - 1, shape[2]
         num_experts = (shape[1] - num_tokens - 3) // 2
-        return row_id_map[0].reshape(-1), num_tokens, width, num_experts, 0
-    pad = shape[0] if row_id_map.dim() == 3 else 0
-    if row_id_map.dim() not in (2, 3) or shape[-1] % 2 == 0 or shape[-1] < 3 or shape[-2] < 2 \
-            or (row_id_map.dim() == 3 and not (0 < pad <= MAX_PAD and pad & (pad - 1) == 0)):
-        raise ValueError(f"{where}: map_type='mask', but row_id_map {shape} is not a mask map [N + 2, 2E + 1] "
-                         f"([align_size, N + 2, 2E + 1] padded, align_size a power of two <= {MAX_PAD}) "
-                         "(is map_type the one given to moe_permute?)")
-    rows = row_id_map[0] if pad else row_id_map
-    num_experts = (shape[-1] - 1) // 2
-    return rows.reshape(-1), shape[-2] - 2, num_experts, num_experts, pad
+        sizes = num_tokens, width, num_experts, 0
+    else:
+        pad = shape[0] if row_id_map.dim() == 3 else 0
+        if row_id_map.dim() not in (2, 3) or shape[-1] % 2 == 0 or shape[-1] < 3 or shape[-2] < 2 \
+                or (row_id_map.dim() == 3 and not (0 < pad <= MAX_PAD and pad & (pad - 1) == 0)):
+            raise ValueError(f"{where}: map_type='mask', but row_id_map {shape} is not a mask map [N + 2, 2E + 1] "
+                             f"([align_size, N + 2, 2E + 1] padded, align_size a power of two <= {MAX_PAD}) "
+                             "(is map_type the one given to moe_permute?)")
+        num_experts = (shape[-1] - 1) // 2
+        sizes = shape[-2] - 2, num_experts, num_experts, pad
+    words = row_id_map if row_id_map.dim() == 2 else row_id_map[0]
+    # A part's shape can be a map's: it would be read as the map of other sizes, at other offsets.
+    # (Under torch.compile the map is read by its shape alone: Dynamo traces no storage.)
+    if not torch.compiler.is_compiling() and not _whole(row_id_map, words):
+        raise ValueError(f"{where}: row_id_map {shape} is a part of the map a permute returned (a slice or "
+                         "other view); pass the whole map")
+    return (words.reshape(-1), *sizes)
