@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import triton.language as tl
 
 import permgen
 from permgen.core.contract import combine_dtype, token_dtype
+from tables import run_metadata  # benchmarks/, this script's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -647,13 +647,13 @@ def main():
         print_host_cost(host)
         path = args.out / "bench.json"
         summary = json.loads(path.read_text()) if path.exists() else {}
-        summary["host"] = host
+        summary["host"] = {**host, "run": run_metadata()}
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1) + "\n")
         return
     if args.plot_only:
         summary = json.loads((args.out / "bench.json").read_text())
-        plot(summary["results"], args.out / "bench.png", summary["gpu"], broadcast_ratio(summary))
+        plot(summary["results"], args.out / "bench.png", summary["run"]["gpu"], broadcast_ratio(summary))
         return
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -677,12 +677,10 @@ def main():
               for v in args.variants}
     print("bookkeeping kept by permute at N=16384, E=256, k=8:", memory)
     summary = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        python=platform.python_version(), command="python3 benchmarks/bench.py --out benchmarks/results",
-        copy_gbps=round(copy_bw / 1e9, 1), reference_gbps=references, results=results, small_round_trip_us=small, bookkeeping=memory,
+        run=run_metadata(), copy_gbps=round(copy_bw / 1e9, 1), reference_gbps=references, results=results, small_round_trip_us=small, bookkeeping=memory,
         chunk_sort=chunks, host=host)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(results, args.out / "bench.png", summary["gpu"], broadcast_ratio(summary))
+    plot(results, args.out / "bench.png", summary["run"]["gpu"], broadcast_ratio(summary))
 
 
 if __name__ == "__main__":

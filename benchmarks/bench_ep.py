@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import permgen  # noqa: E402
+from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
 
 SHAPES = [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
           ("mixtral", 16384, 4096, 8, 2)]  # name, N, H, E, k
@@ -362,7 +362,7 @@ def render(out):
         r["summary"], r["ep64_estimate"] = summarise(r), estimate_ep64(r)
     path.write_text(json.dumps(run, indent=1))
     meta = run["meta"]
-    (out / "bench_ep.txt").write_text(report(run["results"], meta["gpu"], meta["world"], meta.get("backend", "nccl")))
+    (out / "bench_ep.txt").write_text(report(run["results"], run["run"]["gpu"], meta["world"], meta.get("backend", "nccl")))
 
 
 def main(rank=None, world=None, args=None):
@@ -414,10 +414,10 @@ def main(rank=None, world=None, args=None):
     if rank == 0:
         gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run)"
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = dict(gpu=gpu, world=world, backend=dist.get_backend(), torch=torch.__version__,
-                    python=platform.python_version(),
+        meta = dict(world=world, backend=dist.get_backend(),
                     nccl=".".join(map(str, torch.cuda.nccl.version())) if DEVICE == "cuda" else None)
-        (args.out / "bench_ep.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        run = dict(run=run_metadata(gpu=gpu), meta=meta, results=results)
+        (args.out / "bench_ep.json").write_text(json.dumps(run, indent=1))
         text = report(results, gpu, world, dist.get_backend())
         (args.out / "bench_ep.txt").write_text(text)
         print(text, flush=True)

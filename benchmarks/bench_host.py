@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import socket
 import sys
 import time
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import permgen  # noqa: E402
 from permgen import (moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs,  # noqa: E402
                      moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs, moe_unpermute)
+from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
 
 SHAPE = (1024, 1024, 16, 2)  # N, H, E, k
 SMOKE_SHAPE = (16, 32, 4, 2)
@@ -217,18 +217,16 @@ def measure(device, shape, calls_per_block):
         print(f"{name:48s} {us:7.1f} us  launches {launches}  reads {reads}  ratio {row.get('ratio')}", flush=True)
     trip = round_trip(device, *inputs, calls_per_block)
     print("round trip:", trip, flush=True)
-    return dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(),
-                shape=dict(zip("NHEk", shape)), bare_triton_launch_us=round(bare, 1), one_torch_op_us=round(one_op, 1),
+    return dict(run=run_metadata(), shape=dict(zip("NHEk", shape)), bare_triton_launch_us=round(bare, 1), one_torch_op_us=round(one_op, 1),
                 autograd_floor_us=round(autograd_floor, 1),
-                call_target=CALL_TARGET, calls=rows, round_trip=trip,
-                command="python3 benchmarks/bench_host.py --out benchmarks/results")
+                call_target=CALL_TARGET, calls=rows, round_trip=trip)
 
 
 def render(result) -> str:
-    lines = [f"Host time per call on {result['device']} (torch {result['torch']}, Triton {result['triton']}), "
+    run = result["run"]
+    lines = [f"Host time per call on {run['gpu']} (torch {run['torch']}, Triton {run['triton']}), "
              f"N={result['shape']['N']} H={result['shape']['H']} E={result['shape']['E']} k={result['shape']['k']}",
-             f"`{result['command']}`", "",
+             f"`{run['command']}`", "",
              f"floor: a bare Triton launch {result['bare_triton_launch_us']} us; one torch pointwise op "
              f"{result['one_torch_op_us']} us. ratio = host time / (launches x a bare launch), target <= "
              f"{result['call_target']}. A backward pass also pays torch's autograd (torch.autograd.grad and "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import permgen  # noqa: E402
 from permgen.triton import gemm as triton_gemm  # noqa: E402
 from permgen.layers.expert_mlp import _row_tokens, _segment_ends  # noqa: E402
+from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
 
 SHAPES = [("qwen3_moe", 16384, 2048, 128, 8, 768), ("deepseek_v3", 16384, 7168, 256, 8, 2048),
           ("mixtral", 16384, 4096, 8, 2, 14336)]  # name, N, H, E, k, F
@@ -251,14 +251,13 @@ def main():
         results.append(run_shape(*shape, mod, fp8_mod, args.iters, args.reps))
         print(json.dumps(results[-1]), flush=True)
         torch.cuda.empty_cache()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_layer.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
+    (args.out / "bench_layer.json").write_text(json.dumps(dict(run=run_metadata(), results=results), indent=1) + "\n")
     render(args.out)
 
 
 def report(run):
-    lines = [f"permgen expert layer, forward + backward, {run['meta']['gpu']}, torch {run['meta']['torch']}, us per call",
+    lines = [f"permgen expert layer, forward + backward, {run['run']['gpu']}, torch {run['run']['torch']}, us per call",
              ""]
     for r in run["results"]:
         t = r["time_us"]
@@ -307,7 +306,7 @@ def plot(run, path):
                   [f"{r['shape']}\nN={r['N']}" for r in results], fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_ylabel("time / GEMMs on grouped rows")
-    ax.set_title(f"MoE expert layer, forward + backward, SwiGLU, {run['meta']['gpu']}")
+    ax.set_title(f"MoE expert layer, forward + backward, SwiGLU, {run['run']['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

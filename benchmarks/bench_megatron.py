@@ -58,8 +58,6 @@ import importlib
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -79,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import permgen  # noqa: E402
-from tables import fmt, table  # noqa: E402
+from tables import fmt, run_metadata, table  # noqa: E402
 
 # megatron-core warns on import that TransformerEngine and Apex are missing: that is the setting here.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -483,14 +481,14 @@ def ratios(point):
 
 
 def report(run):
-    meta = run["meta"]
+    meta, prov = run["meta"], run["run"]
     lines = [f"megatron-core MoEAlltoAllTokenDispatcher, one training step (dispatch -> expert -> combine -> "
-             f"backward), {meta['world']} x {meta['device']}, {meta['backend']}, expert-parallel size {meta['world']}",
-             f"megatron-core {meta['megatron_core']}, torch {meta['torch']}, Triton {meta['triton']}, Python "
-             f"{meta['python']}, permgen {meta.get('permgen_commit') or '?'}; fused path run by "
+             f"backward), {meta['world']} x {prov['gpu']}, {meta['backend']}, expert-parallel size {meta['world']}",
+             f"megatron-core {prov['megatron_core']}, torch {prov['torch']}, Triton {prov['triton']}, Python "
+             f"{prov['python']}, permgen {prov['commit'] or '?'}; fused path run by "
              f"{'permgen' if meta['fused_runs_permgen'] else 'TransformerEngine'}; permgen ep: {meta['ep_variant']}, "
              f"dropless, topk=k",
-             f"`{meta['command']}`", ""]
+             f"`{prov['command']}`", ""]
     checks = run.get("checks", [])
     if checks:
         bad = [c for c in checks if c["mismatches"]]
@@ -547,7 +545,7 @@ def plot(run, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    meta = run["meta"]
+    meta, prov = run["meta"], run["run"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     shapes = list(dict.fromkeys(pt["shape"] for pt in run["results"]))
     for i, shape in enumerate(shapes):
@@ -573,8 +571,8 @@ def plot(run, path):
     right.set_yscale("log")
     right.set_ylabel("host CPU ms per step")
     right.set_title("host CPU time per step (solid: fused, dashed: unfused, dotted: permgen ep)", fontsize=10)
-    fig.suptitle(f"MoEAlltoAllTokenDispatcher on {meta['world']} x {meta['device']}, megatron-core "
-                 f"{meta['megatron_core']}", fontsize=10)
+    fig.suptitle(f"MoEAlltoAllTokenDispatcher on {meta['world']} x {prov['gpu']}, megatron-core "
+                 f"{prov['megatron_core']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -602,14 +600,6 @@ def save(out, run):
         point["ratios"] = ratios(point)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{RESULT}.json").write_text(json.dumps(run, indent=1))
-
-
-def permgen_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # --- main -------------------------------------------------------------------------------------------------
@@ -669,21 +659,18 @@ def main():
     module, groups, runs_permgen, megatron_version = megatron_setup(world, args.smoke)
     megatron = dict(module=module, groups=groups)
     mod = permgen.get_kernel("triton", **VARIANT)
-    import triton
-    meta = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run: not a speed)",
-                world=world, backend=dist.get_backend(), torch=torch.__version__, triton=triton.__version__,
-                megatron_core=megatron_version, python=platform.python_version(), permgen_commit=permgen_commit(),
+    provenance = run_metadata(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke run: not a speed)")
+    provenance["megatron_core"] = provenance["megatron_core"] or megatron_version  # a source tree has no metadata
+    meta = dict(world=world, backend=dist.get_backend(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if DEVICE == "cuda" else None,
                 fused_runs_permgen=bool(runs_permgen), ep_variant=mod.VARIANT["name"], te_probe_us=te_probe_us(),
-                command=" ".join(["torchrun", f"--nproc-per-node {world}", "benchmarks/bench_megatron.py",
-                                  *sys.argv[1:]]),
                 reps=args.reps, rep_seconds=args.rep_seconds, host_samples=args.host_samples,
                 host_ms=f"{args.clock.kind}, over one unsynchronised step started on an idle device")
     if rank == 0 and not runs_permgen:
         print("TransformerEngine is installed: megatron-core's fused path runs TE, not permgen", flush=True)
 
     checks, failed = run_checks(SMOKE_CHECKS if args.smoke else CHECKS, megatron, mod, group, rank, world, args.smoke)
-    run = dict(meta=meta, checks=checks, results=[])
+    run = dict(run=provenance, meta=meta, checks=checks, results=[])
     if failed:
         if rank == 0:
             save(args.out, run)

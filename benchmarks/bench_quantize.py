@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))  # the generator renders the comparison variants t
 import permgen  # noqa: E402
 from permgen.triton.fp8 import quantize_rows  # noqa: E402
 from bench import copy_bandwidth, expert_sorted_rows, graph_us  # noqa: E402
+from tables import run_metadata  # noqa: E402
 
 SHAPES = [  # name, N, H, E, k
     ("deepseek_v3", 16384, 7168, 256, 8),
@@ -247,8 +248,7 @@ def main():
     gpu = torch.cuda.get_device_name()
     text = table(results, copy_bw / 1e9, gpu)
     print(text)
-    summary = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_gbps=round(copy_bw / 1e9, 1),
-                   command="python3 benchmarks/bench_quantize.py --out benchmarks/results", results=results)
+    summary = dict(run=run_metadata(), copy_gbps=round(copy_bw / 1e9, 1), results=results)
     (args.out / "bench_quantize.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "bench_quantize.txt").write_text(text)
     plot(results, args.out / "bench_quantize.png", gpu)

@@ -1,26 +1,38 @@
-"""The Markdown tables of PERFORMANCE.md and the README, rendered from the committed benchmark results.
+"""The tables and figures of PERFORMANCE.md, the README and docs/, rendered from the committed benchmark
+results, and the provenance every results file records.
 
-    python3 benchmarks/tables.py            # rewrite every table between its markers
-    python3 benchmarks/tables.py --check    # exit 1, naming the tables, if a file is not current
-    python3 benchmarks/tables.py --print    # print the tables instead
+    python3 benchmarks/tables.py            # rewrite every table and figure between its markers
+    python3 benchmarks/tables.py --check    # exit 1, naming them, if a file is not current
+    python3 benchmarks/tables.py --print    # print them instead
 
-Each table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` in PERFORMANCE.md or
-README.md; everything between the markers is replaced. The sources are benchmarks/results/
-bench.json (make bench), bench_quantize.json (part of make bench) and
-bench_ep.json (make bench-ep), bench_layer.json, bench_megatron.json and bench_host.json (part of
-make bench). A table whose results are
-absent renders as nothing. Needs no GPU.
+A table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` on lines of their own; a figure
+in a sentence between `<!-- fig:NAME -->` and `<!-- /fig -->` on one line. Everything between the
+markers is replaced (tests/test_docs.py checks that nothing is stale). The sources are
+benchmarks/results/*.json: bench.json, bench_quantize.json, bench_layer.json, bench_megatron.json
+and bench_host.json (make bench), bench_ep.json (make bench-ep). A table whose results are absent
+renders as nothing. Needs no GPU.
+
+Each results file records its run under "run" (RUN_FIELDS, written by run_metadata(), which every
+benchmark script calls): date, commit, GPU, torch, Triton, megatron-core, Python and the command.
+Values a run did not record are null; values read later from git history (the commit that added the
+results) are named in the run's "from_git_history" and marked where they are shown.
 """
 
 import argparse
+import datetime
+import importlib.metadata
 import json
+import os
+import platform
 import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-FILES = (ROOT / "PERFORMANCE.md", ROOT / "README.md")
+FILES = (ROOT / "PERFORMANCE.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd")
 OP_HEADERS = "permute | unpermute | permute bwd | unpermute bwd"
 LARGE_SHAPES = {"deepseek_v3": ("DeepSeek-V3", "H=7168, E=256, k=8"), "qwen3_moe": ("Qwen3-MoE", "H=2048, E=128, k=8"),
@@ -32,6 +44,84 @@ ROWS = [("probs_bf16_mask", "plain"), ("probs_bf16_mask", "topk"), ("probs_bf16_
         ("probs_pad128_bf16_mask", "plain"), ("probs_pad128_bf16_mask", "topk"),
         ("probs_pad128_fp8e4m3_block128_mask", "plain"), ("probs_pad128_fp8e4m3_block128_mask", "topk")]
 HOST_COST_KEY = "host"  # bench.json's host cost of the small round trip, when the run measured it
+RUN_FIELDS = ("date", "commit", "gpu", "torch", "triton", "megatron_core", "python", "command")
+
+
+def git(*args):
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def run_metadata(command=None, gpu=None):
+    """What a results file records of its run, under "run": the date (UTC), the checkout's commit
+    ("+changes" when tracked files outside benchmarks/results differ from it), the GPU (default: CUDA
+    device 0, or "none" without CUDA), the versions of torch, Triton, megatron-core (None where it is not
+    installed) and Python, and the command (default: this process's, `python3 <script> <args>`, or under
+    torchrun `torchrun --nproc-per-node <n> <script> <args>`)."""
+    import torch
+    import triton
+
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"):
+        commit += "+changes"
+    if gpu is None:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    if command is None:
+        script = Path(sys.argv[0]).resolve()
+        script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+        launcher = (["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]]
+                    if "TORCHELASTIC_RUN_ID" in os.environ else ["python3"])
+        command = shlex.join([*launcher, str(script), *sys.argv[1:]])
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
+                gpu=gpu, torch=torch.__version__, triton=triton.__version__, megatron_core=version("megatron-core"),
+                python=platform.python_version(), command=command)
+
+
+def run_cell(run, field):
+    """One field of a run as shown: "not recorded" for a null, † for a value read from git history."""
+    value = run.get(field)
+    if value is None:
+        return "not recorded"
+    if field == "date":
+        value = value[:10]
+    if field == "command":
+        value = f"`{value}`"
+    return f"{value} †" if field in run.get("from_git_history", ()) else str(value)
+
+
+def run_line(run):
+    """A run in one line: GPU, versions, commit and date, command."""
+    return (f"{run_cell(run, 'gpu')}, torch {run_cell(run, 'torch')}, Triton {run_cell(run, 'triton')}, megatron-core "
+            f"{run_cell(run, 'megatron_core')}, permgen {run_cell(run, 'commit')}, {run_cell(run, 'date')}: "
+            f"{run_cell(run, 'command')}")
+
+
+RESULT_FILES = ("bench.json", "bench_host.json", "bench_quantize.json", "bench_layer.json", "bench_megatron.json",
+                "bench_ep.json", "nki_cost_lnc1.json", "nki_cost_lnc2.json", "nki_a2av_cost.json")
+
+
+def provenance_table(results):
+    """One row per results file: the run that wrote it."""
+    rows = []
+    for name in RESULT_FILES:
+        data = load(results, name)
+        if data:
+            rows.append([f"`{name}`", *(run_cell(data["run"], field) for field in RUN_FIELDS)])
+    text = table(["results", "date", "permgen commit", "GPU", "torch", "Triton", "megatron-core", "Python",
+                  "command"], rows)
+    if any("†" in cell for row in rows for cell in row):
+        text += ("\n\n† not recorded by the run; read from git history: the commit that added these results, its "
+                 "date, or what its message states.")
+    return text
 
 
 def load(results, name):
@@ -119,11 +209,6 @@ def peers_table(bench):
                      for r in (ours[shape, variant, "plain", op] for op in OPS)]
             rows.append([shape_label(shape), *cells])
     return table(["shape", *OP_HEADERS.split(" | ")], rows)
-
-
-def run_line(bench):
-    return (f"{bench['gpu']}, torch {bench['torch']}, Triton {bench['triton']}, Python {bench.get('python', '?')}: "
-            f"`{bench['command']}`")
 
 
 def readme_table(bench):
@@ -309,9 +394,7 @@ def megatron_table(mega):
                      fmt(paths["fused"]["step_ms"]), fmt(paths.get("permgen_ep", {}).get("step_ms")),
                      fmt(ratios.get("fused_over_unfused")), fmt(ratios.get("ep_over_fused")),
                      f"{fmt(paths['unfused']['host_ms'])} / {fmt(paths['fused']['host_ms'])}"])
-    meta = mega["meta"]
-    head = (f"{meta['device']}, megatron-core {meta['megatron_core']}, torch {meta['torch']}, Triton {meta['triton']}, "
-            f"permgen {meta.get('permgen_commit')}: `{meta['command']}`\n\n")
+    head = run_line(mega["run"]) + "\n\n"
     return head + table(["shape", "N per rank", "unfused ms", "fused ms", "permgen ep ms", "fused / unfused",
                          "permgen ep / fused", "host ms, unfused / fused"], rows)
 
@@ -322,8 +405,8 @@ def host_calls_table(host):
             for name, r in host["calls"].items()]
     trip = host["round_trip"]
     shape = host["shape"]
-    head = (f"{host['device']}, torch {host['torch']}, Triton {host['triton']}; N={shape['N']}, H={shape['H']}, "
-            f"E={shape['E']}, k={shape['k']}: `{host['command']}`. A bare Triton launch: {host['bare_triton_launch_us']} "
+    head = (f"{run_line(host['run'])}. N={shape['N']}, H={shape['H']}, E={shape['E']}, k={shape['k']}. "
+            f"A bare Triton launch: {host['bare_triton_launch_us']} "
             f"us; one torch pointwise op: {host['one_torch_op_us']} us; torch's autograd through one op's backward: "
             f"{host.get('autograd_floor_us', '–')} us.\n\n")
     tail = (f"\n\nEager round trip (permute + unpermute): {trip['eager_us']} us; replayed from a CUDA graph: "
@@ -332,13 +415,134 @@ def host_calls_table(host):
                         rows) + tail
 
 
+def span(values, digits=2, unit=""):
+    """"lo-hi" of values as shown (one value where they round alike), with the unit."""
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return (lo if lo == hi else f"{lo}-{hi}") + unit
+
+
+def per_shape(rows, cell):
+    """"value (shape), value (shape), ..." in the results' order."""
+    return ", ".join(f"{cell(r)} ({SHAPES.get(r['shape'], (r['shape'],))[0]})" for r in rows)
+
+
+def layer_figures(layer):
+    large = [r for r in layer["results"] if r["N"] == 16384]
+    small = [r for r in layer["results"] if r["N"] != 16384]
+    t = lambda r, a, b: r["time_us"][a] / r["time_us"][b]  # noqa: E731
+    figs = {
+        "layer-default": span([t(r, "layer_expert_mlp", "layer_grouped_rows") for r in large], unit="x"),
+        "layer-default-small": span([t(r, "layer_expert_mlp", "layer_grouped_rows") for r in small], unit="x"),
+        "layer-vs-torch": span([t(r, "layer_torch", "layer_expert_mlp") for r in layer["results"]], unit="x"),
+        "save-memory-gib": per_shape(large, lambda r: "{:.2f} GiB".format(
+            (r["activation_mib_kept_for_backward"]["standalone"] - r["activation_mib_kept_for_backward"]["fused"]) / 1024)),
+        "save-memory-time": per_shape(large, lambda r: f"{100 * (t(r, 'layer_fused', 'layer_expert_mlp') - 1):.1f}%"),
+        "save-memory-time-small": span([100 * (t(r, "layer_fused", "layer_expert_mlp") - 1) for r in small], 1, "%"),
+        "gather-gemm": span([t(r, "gemm1_gather", "gemm1_grouped_mm") for r in large], unit="x"),
+        "gather-gemm-small": span([t(r, "gemm1_gather", "gemm1_grouped_mm") for r in small], unit="x"),
+    }
+    if all("layer_fp8" in r["time_us"] for r in layer["results"]):
+        sqnr = lambda keys: [v for r in layer["results"] for k, v in r["fp8_sqnr_db"].items() if k in keys]  # noqa: E731
+        figs.update({
+            "fp8-over-bf16": span([t(r, "layer_fp8", "layer_expert_mlp") for r in large], unit="x"),
+            "fp8-over-bf16-small": span([t(r, "layer_fp8", "layer_expert_mlp") for r in small], unit="x"),
+            "fp8-quantize-weights": per_shape(large, lambda r: f"{r['time_us']['fp8_quantize_weights'] / 1e3:.1f} ms"),
+            "fp8-per-call-over-bf16": per_shape(large, lambda r: f"{t(r, 'layer_fp8_quantizing_weights', 'layer_expert_mlp'):.2f}x"),
+            "fp8-sqnr": span(sqnr({"y", "grad_x", "grad_probs", "grad_w1", "grad_w2"}), 1, " dB"),
+            "fp8-sqnr-output": span(sqnr({"y"}), 1, " dB"),
+            "fp8-sqnr-weights": span(sqnr({"grad_w1", "grad_w2"}), 1, " dB"),
+        })
+    return figs
+
+
+def fp8_layer_table(layer):
+    """The FP8 expert_mlp against the bf16 one, and its SQNR against bf16 (bench_layer.json)."""
+    rows = []
+    for r in layer["results"]:
+        t, sq = r["time_us"], r["fp8_sqnr_db"]
+        rows.append([f"{SHAPES.get(r['shape'], (r['shape'],))[0].split(',')[0]}, N={r['N']}, H={r['H']}, E={r['E']}, k={r['k']}, "
+                     f"F={r['F']}", f"{t['layer_expert_mlp'] / 1e3:.2f}", f"{t['layer_fp8'] / 1e3:.2f}",
+                     fmt(t["layer_fp8"] / t["layer_expert_mlp"]), fmt(t["fwd_fp8"] / t["fwd_expert_mlp"]),
+                     ", ".join(f"{sq[k]:.1f}" for k in ("y", "grad_x", "grad_probs", "grad_w1", "grad_w2"))])
+    return table(["shape", "bf16 expert_mlp, ms", "FP8 expert_mlp, ms", "FP8 / bf16", "forward alone, FP8 / bf16",
+                  "SQNR dB: output, grad x, probs, w1, w2"], rows)
+
+
+def megatron_figures(mega):
+    speedups = [r["paths"]["unfused"]["step_ms"] / r["paths"]["fused"]["step_ms"] for r in mega["results"]
+                if "fused" in r.get("paths", {}) and "unfused" in r["paths"]]
+    return {"megatron-speedup": span(speedups, 1, "x")} if speedups else {}
+
+
+def ep_figures(ep):
+    figs = {"ep-dispatch-host": span([r["host_us"]["dispatch"] / 1e3 for r in ep["results"]], 2, " ms"),
+            "ep-a2a-host": span([r["host_us"]["a2a"] for r in ep["results"]], 0, " us")}
+    for r in ep["results"]:
+        if r["shape"] == "mixtral":
+            figs["ep-mixtral-host"] = f"{r['host_us']['dispatch']:.0f} of its {r['time_us']['dispatch']:.0f} us"
+    return figs
+
+
+def host_figures(host):
+    ratios = [r["ratio"] for r in host["calls"].values() if r.get("ratio") is not None]
+    return {"host-target": f"{host['call_target']}x",
+            "host-within-target": f"{sum(r <= host['call_target'] for r in ratios)} of {len(ratios)}",
+            "host-autograd-launches": f"{host['autograd_floor_us'] / host['bare_triton_launch_us']:.1f}"}
+
+
+NKI_COST_COUNTS = (("instructions", "instructions"), ("indirect DMAs", "indirect_dmas"), ("DMA bytes", "dma_bytes"),
+                   ("device-loop iterations", "device_loop_iterations"))
+
+
+def nki_cost_table(rows):
+    """Emulator counts per variant, topk hint and kernel (nki_cost.py)."""
+    return table(["variant", "topk", "kernel", *(name for name, _ in NKI_COST_COUNTS)],
+                 [[r["variant"], r["topk"], r["kernel"], *(fmt(r[key]) for _, key in NKI_COST_COUNTS)] for r in rows])
+
+
+def nki_cost_key(r):
+    return r["variant"], r["topk"], r["kernel"]
+
+
+def nki_cost_tables(lnc1, lnc2):
+    """LNC=1 whole, LNC=2 where it differs from LNC=1, and the figures the prose quotes."""
+    tables = {}
+    if lnc1:
+        tables["nki-cost-lnc1"] = nki_cost_table(lnc1["results"])
+    if lnc1 and lnc2:
+        one = {nki_cost_key(r): r for r in lnc1["results"]}
+        differ = [r for r in lnc2["results"] if any(r[key] != one[nki_cost_key(r)][key] for _, key in NKI_COST_COUNTS)]
+        tables["nki-cost-lnc2"] = nki_cost_table(differ)
+        two = {nki_cost_key(r): r for r in lnc2["results"]}
+        a, b = one["probs_bf16_mask", "none", "sum_routes"], two["probs_bf16_mask", "none", "sum_routes"]
+        tables["nki-lnc2-sum-routes"] = (f"sum_routes {a['instructions']:,} -> {b['instructions']:,} instructions, "
+                                         f"{a['dma_bytes'] / 1e6:.0f} -> {b['dma_bytes'] / 1e6:.0f} MB")
+        tables["nki-mask-loop-iterations"] = f"{one['probs_bf16_mask', 'none', 'permute']['device_loop_iterations']:,}"
+    return tables
+
+
+def nki_a2av_tables(a2av):
+    rows = [[str(r["ep"]), r["generation"], r["exchange"], r["kernel"], fmt(r["instructions"]), fmt(r["indirect_dmas"]),
+             fmt(r["dma_bytes"])] for r in a2av["results"]]
+    tables = {"nki-a2av-cost": table(["EP", "generation", "exchange", "kernel", "instructions", "indirect DMAs",
+                                      "DMA bytes"], rows)}
+    by = {(r["ep"], r["exchange"], r["kernel"]): r for r in a2av["results"]}
+    packed = [(ep, by[ep, "all_to_all", "permute_a2av"], r) for (ep, exchange, kernel), r in by.items()
+              if exchange == "all_to_all_v_packed" and kernel == "permute_a2av"]
+    if packed:
+        ep, full, r = max(packed, key=lambda p: p[0])
+        tables["nki-a2av-packed-ratio"] = f"{full['instructions'] / r['instructions']:.1f}x"
+        tables["nki-a2av-packed-ep"] = f"EP={ep}"
+    return tables
+
+
 def render_all(results=RESULTS):
-    """Table name -> Markdown (empty where its results are absent)."""
+    """Table or figure name -> Markdown (absent where its results are absent)."""
     bench, quant, ep, layer = (load(results, name) for name in ("bench.json", "bench_quantize.json", "bench_ep.json",
                                                                   "bench_layer.json"))
     tables = {}
     if bench:
-        tables.update({"run": run_line(bench), "variants": variants_table(bench),
+        tables.update({"variants": variants_table(bench),
                        "small-shapes": small_shapes_table(bench), "peers": peers_table(bench),
                        "readme-summary": readme_table(bench),
                        "bandwidth": bandwidth_table(bench), "round-trip": round_trip_table(bench),
@@ -350,57 +554,70 @@ def render_all(results=RESULTS):
         tables.update({"ep-times": ep_times_table(ep), "ep-capacity": ep_capacity_table(ep),
                        "ep-beyond": ep_beyond_table(ep),
                        "ep-estimate": ep_estimate_table(ep)})
+        tables.update(ep_figures(ep))
     if layer:
-        tables["layer"] = layer_table(layer)
+        tables.update({"layer": layer_table(layer), "fp8-layer": fp8_layer_table(layer), **layer_figures(layer)})
     mega, host = load(results, "bench_megatron.json"), load(results, "bench_host.json")
     if mega:
-        tables["megatron"] = megatron_table(mega)
+        tables.update({"megatron": megatron_table(mega), **megatron_figures(mega)})
     if host:
-        tables["host-calls"] = host_calls_table(host)
+        tables.update({"host-calls": host_calls_table(host), **host_figures(host)})
+    tables.update(nki_cost_tables(load(results, "nki_cost_lnc1.json"), load(results, "nki_cost_lnc2.json")))
+    a2av = load(results, "nki_a2av_cost.json")
+    if a2av:
+        tables.update(nki_a2av_tables(a2av))
+    tables["provenance"] = provenance_table(results)
     return tables
 
 
 MARKED = re.compile(r"(<!-- table:([a-z0-9-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+FIGURE = re.compile(r"(<!-- fig:([a-z0-9-]+) -->)([^\n]*?)(<!-- /fig -->)")
 
 
 def rewrite(text, tables):
-    """text with every marked table replaced; the names of the tables that changed."""
-    changed = []
+    """text with every marked table and figure replaced; the names of those that changed, and of the
+    markers nothing renders (an unknown name, or results absent)."""
+    changed, unknown = [], []
 
-    def fill(match):
+    def fill(match, block):
         name = match.group(2)
-        body = tables.get(name, "")
-        body = body + "\n" if body else ""
+        if name not in tables:
+            unknown.append(name)
+            return match.group(0)
+        body = tables[name] + ("\n" if block and tables[name] else "")
         if body != match.group(3):
             changed.append(name)
         return match.group(1) + body + match.group(4)
 
-    return MARKED.sub(fill, text), changed
+    text = MARKED.sub(lambda m: fill(m, True), text)
+    return FIGURE.sub(lambda m: fill(m, False), text), changed, unknown
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables are not current")
-    parser.add_argument("--print", action="store_true", help="print the tables, write nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables or figures are not current")
+    parser.add_argument("--print", action="store_true", help="print the tables and figures, write nothing")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder")
     args = parser.parse_args()
     tables = render_all(args.results)
     if args.print:
         for name, body in tables.items():
-            print(f"<!-- table:{name} -->\n{body}\n")
+            print(f"{name}:\n{body}\n")
         return 0
-    stale = []
+    stale, errors = [], []
     for path in FILES:
         text = path.read_text()
-        new, changed = rewrite(text, tables)
+        new, changed, unknown = rewrite(text, tables)
+        errors += [f"{path.relative_to(ROOT)}: nothing renders {name!r}" for name in unknown]
         if changed and args.check:
             stale.append(f"{path.relative_to(ROOT)}: {', '.join(changed)}")
         elif changed:
             path.write_text(new)
             print(f"{path.relative_to(ROOT)}: rewrote {', '.join(changed)}")
     if stale:
-        print("tables out of date with benchmarks/results (run python3 benchmarks/tables.py):\n  " + "\n  ".join(stale),
-              file=sys.stderr)
+        errors.append("out of date with benchmarks/results (run python3 benchmarks/tables.py):\n  " + "\n  ".join(stale))
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
         return 1
     return 0
 
