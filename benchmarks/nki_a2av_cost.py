@@ -9,12 +9,15 @@ generation runs its default exchange (permgen.nki.a2av), and trn3 groups of whol
 multiple of 4, at least 8) the packed exchange too, at the LNC the environment declares
 (--lnc sets it; at LNC=2 a count is both cores' of the rank together).
 
-    .venv/bin/python benchmarks/nki_a2av_cost.py [--ep 2,8 --tokens 512 --h 1024 --e 64 --k 8] [--lnc 1|2]
+    .venv/bin/python benchmarks/nki_a2av_cost.py [--ep 2,8 --tokens 512 --h 1024 --e 64 --k 8] [--lnc 1|2] [--out DIR]
+
+Writes nki_a2av_cost.json into --out (default benchmarks/results; docs/trainium.md's table).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,6 +37,7 @@ from permgen.nki.emulator import Platform, run_ranks  # noqa: E402
 from permgen.nki.emulator.collectives import ReplicaGroup  # noqa: E402
 from permgen.nki.a2av import exchange_for, permute_a2av, unpermute_a2av  # noqa: E402
 from permgen.nki.host import logical_cores  # noqa: E402
+from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
 
 
 def rank_inputs(ep, tokens, hidden, experts, k, seed):
@@ -73,6 +77,7 @@ def main():
     parser.add_argument("--e", type=int, default=64)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--lnc", choices=("1", "2"), help="the LNC to declare (default: the environment's)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="where nki_a2av_cost.json goes")
     args = parser.parse_args()
     if args.lnc:
         os.environ["NEURON_LOGICAL_NC_CONFIG"] = args.lnc
@@ -80,6 +85,7 @@ def main():
           f"capacity {2 * args.tokens * args.k} rows")
     print("| EP | generation | exchange | kernel | instructions | indirect DMAs | DMA bytes |")
     print("|---|---|---|---|---|---|---|")
+    rows = []
     for ep in (int(x) for x in args.ep.split(",")):
         runs = [("trn2", None), ("trn3", None)]
         if ep % 4 == 0 and ep >= 8 and logical_cores() == 2:  # whole devices at LNC=2: receive displacements too
@@ -89,6 +95,14 @@ def main():
             for cost in costs:
                 print(f"| {ep} | {generation} | {exchange} | {cost.kernel.removesuffix('_kernel')} | {cost.instructions:,} | "
                       f"{cost.indirect_dmas:,} | {cost.dma_bytes:,} |")
+                rows.append(dict(ep=ep, generation=generation, exchange=exchange,
+                                 kernel=cost.kernel.removesuffix("_kernel"), instructions=cost.instructions,
+                                 indirect_dmas=cost.indirect_dmas, dma_bytes=cost.dma_bytes))
+    run = dict(run=run_metadata(gpu="none: counted by permgen's NKI emulator"),
+               shape=dict(tokens_per_rank=args.tokens, H=args.h, E=args.e, k=args.k, capacity=2 * args.tokens * args.k),
+               lnc=logical_cores(), results=rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "nki_a2av_cost.json").write_text(json.dumps(run, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ iteration costs beyond its instructions no page says). Mask routing runs without
 at the LNC the environment declares (NEURON_LOGICAL_NC_CONFIG, unset: 2, the Trn2 default; --lnc
 sets it); at LNC=2 a count is both cores' together.
 
-    .venv/bin/python benchmarks/nki_cost.py [--n 4096 --h 4096 --e 64 --k 8] [--lnc 1|2] [--root REPO]
+    .venv/bin/python benchmarks/nki_cost.py [--n 4096 --h 4096 --e 64 --k 8] [--lnc 1|2] [--root REPO] [--out DIR]
+
+Writes nki_cost_lnc<LNC>.json into --out (default benchmarks/results; docs/trainium.md's tables).
 
 --root counts the generated modules of another checkout (e.g. a `git worktree` of an older
 commit, whose modules had NumPy host functions); the emulator is always this one. Counting needs
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from permgen.nki import emulator as nki_emulator  # noqa: E402
+from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
 
 nki_emulator.install()
 
@@ -115,6 +119,7 @@ def main():
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--lnc", choices=("1", "2"), help="the LNC to declare (default: the environment's)")
     ap.add_argument("--root", type=Path, default=ROOT, help="checkout whose generated/nki modules to count")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="where nki_cost_lnc<LNC>.json goes")
     args = ap.parse_args()
     if args.lnc:
         os.environ["NEURON_LOGICAL_NC_CONFIG"] = args.lnc
@@ -126,6 +131,7 @@ def main():
              f"{'DMA bytes':>14} | {'device-loop iters':>17} |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    rows = []
     for name in VARIANTS:
         mod = load_module(args.root, name)
         mask = mod.VARIANT["routing"] == "mask"
@@ -143,7 +149,15 @@ def main():
                 kernel = cost.kernel[len(name) + 1:] if cost.kernel.startswith(name) else cost.kernel
                 print(f"| {name:<24} | {hint:<9} | {kernel:<22} | {cost.instructions:>12,} | {cost.indirect_dmas:>13,} | "
                       f"{cost.dma_bytes:>14,} | {cost.dynamic_iterations:>17,} |")
+                rows.append(dict(variant=name, topk=hint, kernel=kernel, instructions=cost.instructions,
+                                 indirect_dmas=cost.indirect_dmas, dma_bytes=cost.dma_bytes,
+                                 device_loop_iterations=cost.dynamic_iterations))
             print(f"({name}, topk {hint}: {time.time() - start:.0f} s in the emulator)", file=sys.stderr)
+    run = dict(run=run_metadata(gpu="none: counted by permgen's NKI emulator"),
+               shape=dict(N=args.n, H=args.h, E=args.e, k=args.k), lnc=logical_cores(), modules=str(args.root),
+               results=rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"nki_cost_lnc{logical_cores()}.json").write_text(json.dumps(run, indent=1) + "\n")
 
 
 if __name__ == "__main__":
