@@ -6,11 +6,13 @@ Rows are only moved, so outputs and gradients must match exactly; the gradient o
 the inverse sort of the incoming gradient.
 """
 
+import numpy as np
 import pytest
 import torch
 
 import permgen
 from cases import assert_bits_equal, device_of, generator_for, is_fp8, load, make_tokens, variants_for
+from permgen.core import ops
 from reference import sort_chunks_grad_ref, sort_chunks_ref
 
 HAS_PROBS = {name: v["probs"] for name, v in permgen.VARIANTS.items()}
@@ -162,9 +164,30 @@ def test_sort_chunks_sizes_that_wrap_int64_are_refused(target):
         mod.sort_chunks(tokens, sizes, torch.arange(4))
 
 
+# Device sizes that wrap: their int64 sum, their int32 sum, and a size whose low 32 bits are small.
+WRAPPING_SIZES = {"int64-wrap": [2**62, 2**62, 2**62, 2**62 + 5], "int32-wrap": [2**31 - 1, 2**31 - 1, 3, 2],
+                  "truncated": [2**62 + 3, 2]}
+
+
+WRAPPING_TABLES = [pytest.param(sizes, dtype, id=f"{name}-{str(dtype)[6:]}") for name, sizes in WRAPPING_SIZES.items()
+                   for dtype in (torch.int64, torch.int32) if dtype == torch.int64 or max(sizes) < 2**31]
+
+
+@pytest.mark.parametrize("sizes, dtype", WRAPPING_TABLES)
+def test_chunk_table_of_wrapping_sizes_matches_torch(sizes, dtype, poisoned_empty):
+    """The Triton target's table of device sizes that wrap is the torch ops' (the NKI target's): each
+    size cut to 2^31 - 1 and summed without wrapping, each start cut to 2^31 - 1, so both ascend."""
+    sizes = torch.tensor(sizes, dtype=dtype)
+    order = torch.arange(len(sizes)).flip(0)
+    device = device_of("triton")
+    want = ops.chunk_table(sizes, order)
+    assert (want[0].diff() >= 0).all() and (want[2].diff() >= 0).all()
+    got = load("triton", "bf16_index")._ops.chunk_sort.kernels.chunk_table(sizes.to(device), order.to(device))
+    assert_bits_equal(got.cpu(), want, "chunk table")
+
+
 @pytest.mark.parametrize("target", ["triton", "nki"])
-@pytest.mark.parametrize("sizes", [[2**62, 2**62, 2**62, 2**62 + 5], [2**31 - 1, 2**31 - 1, 3, 2], [2**62 + 3, 2]],
-                         ids=["int64-wrap", "int32-wrap", "truncated"])
+@pytest.mark.parametrize("sizes", WRAPPING_SIZES.values(), ids=WRAPPING_SIZES.keys())
 def test_sort_chunks_wrapping_device_sizes_stay_in_bounds(target, sizes, request, poisoned_empty):
     """Sizes on the device are not checked, and may wrap in any width: every output row is then a
     row of the input or zeros (nothing is read or written outside the tensors), on both targets."""
@@ -185,3 +208,108 @@ def test_sort_chunks_wrapping_device_sizes_stay_in_bounds(target, sizes, request
         for r in range(num_rows):
             is_input_row = (rows[r] == bits).all(1).any() and bool((probs.cpu() == out_probs.cpu()[r]).any())
             assert is_input_row or (bool((rows[r] == 0).all()) and float(out_probs[r]) == 0), (inverse, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# An order that moves nothing, an order rewritten in memory, and the checks under torch.compile
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("place", ["cpu", "device"])
+@pytest.mark.parametrize("target", ["triton", "nki"])
+def test_an_order_that_moves_nothing_gives_new_tensors(target, place, request):
+    """sorted_idxs 0..C-1: the rows and probs come back equal, in new tensors as TransformerEngine's do:
+    writing into them leaves the caller's; the gradients pass through."""
+    if place == "device" and device_of(target).type == "cpu":
+        pytest.skip("the rows' device is the CPU")
+    mod = load(target, "probs_bf16_mask")
+    device = device_of(target)
+    g = generator_for(request)
+    sizes = [3, 0, 5, 2]
+    tokens = make_tokens(mod.VARIANT, sum(sizes), 16, g).to(device)
+    probs = torch.rand(sum(sizes), generator=g).to(device)
+    order_device = device if place == "device" else "cpu"
+    for sort in (lambda t, p: mod.sort_chunks(t, torch.tensor(sizes), torch.arange(4, device=order_device), p),
+                 lambda t, p: permgen.moe_sort_chunks_by_index_with_probs(
+                     t, p, torch.tensor(sizes), torch.arange(4, device=order_device))):
+        inp, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+        out, out_probs = sort(inp, p)
+        assert_bits_equal(out, tokens, "rows")
+        assert_bits_equal(out_probs, probs, "probs")
+        assert out.data_ptr() != inp.data_ptr() and out_probs.data_ptr() != p.data_ptr()
+        grad = torch.randn(out.shape, generator=g).to(out.dtype).to(device)
+        grad_probs = torch.randn(out_probs.shape, generator=g).to(device)
+        torch.autograd.backward((out, out_probs), (grad, grad_probs))
+        assert_bits_equal(inp.grad, grad, "row grads")
+        assert_bits_equal(p.grad, grad_probs, "prob grads")
+        with torch.no_grad():
+            out.fill_(1)
+            out_probs.fill_(1)
+        assert_bits_equal(inp.detach(), tokens, "the caller's rows")
+        assert_bits_equal(p.detach(), probs, "the caller's probs")
+
+
+def _order_written_behind_its_version(how, num_chunks, device):
+    """An order 0..C-1 and a function that writes new values into it through `how`: in place (its
+    version counter moves), or through a path that leaves the counter as it was."""
+    if how == "numpy":
+        array = np.arange(num_chunks)
+        order = torch.from_numpy(array)
+        return order, lambda new: array.__setitem__(slice(None), new)
+    order = torch.arange(num_chunks, device=device)
+    aliases = {"in place": lambda: order,
+               "data": lambda: order.data,
+               "dlpack": lambda: torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(order)),
+               "storage": lambda: torch.tensor([], dtype=order.dtype, device=device).set_(order.untyped_storage())}
+    return order, lambda new: aliases[how]().copy_(torch.tensor(new))
+
+
+@pytest.mark.parametrize("how", ["in place", "data", "numpy", "dlpack", "storage"])
+@pytest.mark.parametrize("place", ["cpu", "device"])
+@pytest.mark.parametrize("target", ["triton", "nki"])
+def test_an_order_rewritten_in_memory_sorts_by_its_new_values(target, place, how, request):
+    """An order tensor that moved nothing, then rewritten in its memory (by paths that do not move its
+    version counter too): the next sort follows the new values."""
+    if place == "device" and device_of(target).type == "cpu":
+        pytest.skip("the rows' device is the CPU")
+    if how == "numpy" and place == "device":
+        pytest.skip("NumPy arrays are on the CPU")
+    mod = load(target, "probs_bf16_mask")
+    device = device_of(target)
+    g = generator_for(request)
+    sizes, new = [3, 0, 5, 2], [2, 0, 3, 1]
+    tokens = make_tokens(mod.VARIANT, sum(sizes), 16, g).to(device)
+    order, write = _order_written_behind_its_version(how, len(sizes), device if place == "device" else "cpu")
+    assert_bits_equal(mod.sort_chunks(tokens, torch.tensor(sizes), order)[0], tokens, "rows in order")
+    version = order._version
+    write(new)
+    assert order.tolist() == new and (order._version == version) == (how != "in place")
+    assert_bits_equal(mod.sort_chunks(tokens, torch.tensor(sizes), order)[0],
+                      sort_chunks_ref(tokens.cpu(), sizes, new).to(device), "rows sorted by the new order")
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+def test_compiled_sort_checks_sizes_and_order(target, request):
+    """Under torch.compile(fullgraph=True) split_sizes and sorted_idxs on the CPU are checked as eagerly,
+    when the graph runs (the values of one graph's inputs differ from call to call): a repeated or
+    missing chunk, sizes not summing to the rows, a negative size are refused with the eager words."""
+    mod = load(target, "probs_bf16_mask")
+    device = device_of(target)
+    g = generator_for(request)
+    tokens = make_tokens(mod.VARIANT, 6, 16, g).to(device)
+    compiled = torch.compile(lambda t, s, o: mod.sort_chunks(t, s, o)[0], fullgraph=True,
+                             backend="inductor" if device.type == "cuda" else "aot_eager")
+    te_compiled = torch.compile(permgen.moe_sort_chunks_by_index, fullgraph=True,
+                                backend="inductor" if device.type == "cuda" else "aot_eager")
+    torch._dynamo.reset()
+    try:
+        assert_bits_equal(compiled(tokens, torch.tensor([2, 3, 1]), torch.tensor([2, 0, 1])),
+                          sort_chunks_ref(tokens.cpu(), [2, 3, 1], [2, 0, 1]).to(device), "compiled sort")
+        for sizes, order, words in [([2, 3, 1], [0, 0, 2], "a permutation of 0..2"),
+                                    ([2, 3, 2], [2, 1, 0], "non-negative and sum to the 6 rows"),
+                                    ([2, 3, 0], [2, 1, 0], "non-negative and sum to the 6 rows"),
+                                    ([2, -1, 5], [1, 0, 2], "non-negative and sum to the 6 rows")]:
+            for fn in (mod.sort_chunks, compiled, permgen.moe_sort_chunks_by_index, te_compiled):
+                with pytest.raises(ValueError, match=words):
+                    fn(tokens, torch.tensor(sizes), torch.tensor(order))
+    finally:
+        torch._dynamo.reset()

@@ -377,32 +377,48 @@ def chunk_table_kernel(
 ):
     """One program. Rows 0, 1: output chunk j's start in the output and in the input; rows 2, 3:
     input chunk i's start in the input and in the output. Entry C of rows 0 and 2 is the chunks'
-    total, so rows 0 and 2 ascend to an end a binary search can stop at."""
+    total, so rows 0 and 2 ascend to an end a binary search can stop at. The device's sizes are
+    unchecked: as in permgen.core.ops.chunk_table, each is cut to [0, 2^31 - 1] and summed in int64 (no
+    wrap), and each start is cut to 2^31 - 1 (where no row is) when written as int32, so the
+    starts still ascend."""
     stride = num_chunks + 1
     chunk = tl.arange(0, BLOCK_C)
-    total = 0
+    total = tl.full((), 0, tl.int64)
     for c0 in range(0, num_chunks, BLOCK_C):  # input order: each chunk's start in the input
         inside = c0 + chunk < num_chunks
-        size = tl.maximum(tl.load(split_sizes_ptr + c0 + chunk, mask=inside, other=0).to(tl.int32), 0)
-        tl.store(table_ptr + 2 * stride + c0 + chunk, total + tl.cumsum(size, 0) - size, mask=inside)
+        size = _chunk_sizes(split_sizes_ptr, c0 + chunk, inside)
+        tl.store(table_ptr + 2 * stride + c0 + chunk, _int32_start(total + tl.cumsum(size, 0) - size), mask=inside)
         total += tl.sum(size, 0)
-    tl.store(table_ptr + num_chunks, total)
-    tl.store(table_ptr + 2 * stride + num_chunks, total)
+    tl.store(table_ptr + num_chunks, _int32_start(total))
+    tl.store(table_ptr + 2 * stride + num_chunks, _int32_start(total))
     tl.store(table_ptr + stride + num_chunks, 0)
     tl.store(table_ptr + 3 * stride + num_chunks, 0)
     tl.debug_barrier()  # the input starts above are read back below, by other threads
-    total = 0
+    total = tl.full((), 0, tl.int64)
     for c0 in range(0, num_chunks, BLOCK_C):  # output order
         inside = c0 + chunk < num_chunks
         # An index out of range (not checked on the device) reads a chunk in range instead.
-        source = tl.load(sorted_idxs_ptr + c0 + chunk, mask=inside, other=0).to(tl.int32)
-        source = tl.minimum(tl.maximum(source, 0), num_chunks - 1)
-        size = tl.maximum(tl.load(split_sizes_ptr + source, mask=inside, other=0).to(tl.int32), 0)
-        start = total + tl.cumsum(size, 0) - size
+        source = tl.load(sorted_idxs_ptr + c0 + chunk, mask=inside, other=0)
+        source = tl.minimum(tl.maximum(source, 0), num_chunks - 1).to(tl.int32)
+        size = _chunk_sizes(split_sizes_ptr, source, inside)
+        start = _int32_start(total + tl.cumsum(size, 0) - size)
         tl.store(table_ptr + c0 + chunk, start, mask=inside)
         tl.store(table_ptr + stride + c0 + chunk, tl.load(table_ptr + 2 * stride + source, mask=inside), mask=inside)
         tl.store(table_ptr + 3 * stride + source, start, mask=inside)
         total += tl.sum(size, 0)
+
+
+@triton.jit
+def _chunk_sizes(split_sizes_ptr, chunks, inside):
+    """The sizes of chunks as int64, each cut to [0, 2^31 - 1]: C of them sum without wrapping."""
+    size = tl.load(split_sizes_ptr + chunks, mask=inside, other=0).to(tl.int64)
+    return tl.minimum(tl.maximum(size, 0), 2147483647)
+
+
+@triton.jit
+def _int32_start(start):
+    """An int64 start as the table's int32, cut to 2^31 - 1 (where no row is)."""
+    return tl.minimum(start, 2147483647).to(tl.int32)
 
 
 @triton.jit
@@ -420,12 +436,12 @@ def _sort_chunk_rows(tokens_ptr, starts_ptr, sources_ptr, out_ptr, num_rows, hid
         before = tl.load(starts_ptr + middle) <= rows
         low = tl.where(before, middle, low)
         high = tl.where(before, high, middle)
-    source = tl.load(sources_ptr + low) + rows - tl.load(starts_ptr + low)
+    # In int64: a chunk's start in the input may be 2^31 - 1 (device sizes are unchecked).
+    source = tl.load(sources_ptr + low).to(tl.int64) + (rows - tl.load(starts_ptr + low))
     stored = rows < num_rows
     # Sizes summing past N would point outside the input: such rows read nothing either.
-    # (Device sizes are unchecked: int32 starts that wrapped can point before the input, too.)
     moved = stored & (low < num_chunks) & (source >= 0) & (source < num_rows)
-    src = tokens_ptr + source.to(tl.int64)[:, None] * hidden  # rows x H can pass 2^31
+    src = tokens_ptr + source[:, None] * hidden  # rows x H can pass 2^31
     dst = out_ptr + rows.to(tl.int64)[:, None] * hidden
     cols = tl.arange(0, BLOCK_H)[None, :]
     for h0 in range(0, hidden, BLOCK_H):
