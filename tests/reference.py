@@ -96,7 +96,7 @@ def quantize_ref(tokens: torch.Tensor, kind: str):
     - rowwise: block128's rule with one block per row: scales [N, 1] fp32.
     - mx32: E = ceil(log2(amax / 448)) + 127 clamped to [0, 254] (0 for amax 0, 0xFF for NaN or
       Inf); scale = E as a uint8 (e8m0); rows x * 2^(127 - E).
-    Rows are rounded to nearest even and saturate at +-448; NaN stays NaN.
+    Rows are rounded to nearest even and saturate at +-448; every NaN is 0x7F, whatever its sign.
     """
     num_tokens, hidden = tokens.shape
     cols = {"block128": 128, "mx32": 32, "rowwise": max(hidden, 1)}[kind]
@@ -120,6 +120,7 @@ def quantize_ref(tokens: torch.Tensor, kind: str):
         scale = (exponent + 127).to(torch.uint8)
     y = x * torch.exp2(-exponent.float())[:, :, None]  # a power of two: exact down to fp32's subnormals
     y = y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)  # saturate (torch's fp8 cast would give NaN)
+    y = torch.where(y.isnan(), float("nan"), y)  # every NaN the positive one, 0x7F: a CPU keeps a NaN's sign
     rows = y.view(num_tokens, blocks * cols)[:, :hidden].to(torch.float8_e4m3fn)
     return rows, scale
 

@@ -101,8 +101,8 @@ QUANTIZING_BOTH = [name for name in BOTH if load("nki", name).VARIANT["quantize"
 @pytest.mark.parametrize("name", QUANTIZING_BOTH)
 def test_quantizing_variants_agree_on_edge_rows(name, request, monkeypatch):
     """The quantising permute on rows at the edges of the scale definitions (zero rows, tiny and huge amax,
-    NaN and Inf, rounding ties; test_quantize.edge_tokens): the same fp8 bytes and scales on both targets,
-    pad rows and their scales zero on both."""
+    NaN of both signs and Inf, rounding ties; test_quantize.edge_tokens): the same fp8 bytes and scales on both
+    targets, NaN included, pad rows and their scales zero on both."""
     triton_mod, nki_mod = load_triton(name), load("nki", name)
     spec = nki_mod.VARIANT
     g = generator_for(request)
@@ -114,5 +114,8 @@ def test_quantizing_variants_agree_on_edge_rows(name, request, monkeypatch):
         n = nki_mod.permute(tokens, routing, probs, num_experts=num_experts)
     t = triton_mod.permute(*to_device(DEVICE, tokens, routing, probs), num_experts=num_experts)
     assert_bits_equal(t.tokens.cpu(), n.tokens, "tokens")
+    # Edge row 7's NaNs of both signs: the one NaN byte, 0x7F (docs/quantization.md), in every row they reach.
+    nan_bytes = n.tokens.view(torch.uint8)[(n.tokens.view(torch.uint8) & 0x7F) == 0x7F]
+    assert len(nan_bytes) >= 2 and (nan_bytes == 0x7F).all(), nan_bytes
     assert_bits_equal(t.scale.cpu(), n.scale, "scales")
     assert torch.equal(t.tokens_per_expert.cpu(), n.tokens_per_expert)

@@ -83,12 +83,19 @@ def edge_tokens(num_tokens: int, hidden: int, dtype, generator) -> torch.Tensor:
     # Rounding ties between fp8 neighbours (amax 448 keeps them unscaled), normal and subnormal.
     x[6, :8] = torch.tensor([448.0, 1.0 + 1 / 16, 1.0 + 3 / 16, 2.0 ** -7 * 1.5, 2.0 ** -10, 3 * 2.0 ** -10,
                              -(2.0 ** -11), -0.0])
-    x[7, 3] = float("nan")
     x[8, hidden - 1] = float("inf")
     x[8, 0] = -float("inf")
     x[9, :] = -0.0
     x[10, :] = 1e-4 * (rnd(hidden).abs() < 1).float()  # block128's amax floor itself
-    return x.to(dtype)
+    x = x.to(dtype)
+    # NaNs of both signs, by their bits: torch's conversions do not keep a NaN's sign (fp32 -> bf16 gives 0xFFFF).
+    words = x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+    words[7, 3], words[7, 4] = NAN_BITS[dtype]
+    return x
+
+
+# (positive, negative) quiet NaN of each token dtype, as signed integers of its width.
+NAN_BITS = {torch.bfloat16: (0x7FC0, -0x40), torch.float16: (0x7E00, -0x200), torch.float32: (0x7FC00000, -0x400000)}
 
 
 def _inputs(mod, target, generator, num_tokens=24, hidden=200, num_experts=6, k=3):
@@ -109,7 +116,10 @@ def test_reference_scale_definitions():
     x[2, 0] = 449.0  # rounds up to 2
     x[3, 0] = 1e-30  # block128: clamped at 1e-4 -> 2^-22; mx32: ceil(log2(1e-30 / 448)) = -108
     x[4, 0] = float("nan")
+    x.view(torch.int32)[4, 1] = NAN_BITS[torch.float32][1]  # a negative NaN: 0x7F too
     x[5, 130] = float("inf")  # second block128 block, fifth mx32 block
+    for kind in ("block128", "mx32", "rowwise"):
+        assert quantize_ref(x, kind)[0].view(torch.uint8)[4, :2].tolist() == [0x7F, 0x7F]
     rows, scale = quantize_ref(x, "block128")
     assert scale.dtype == torch.float32 and scale.shape == (6, 2)
     assert scale[:, 0].tolist() == [2.0 ** -22, 1.0, 2.0, 2.0 ** -22, 2.0 ** 127, 2.0 ** -22]

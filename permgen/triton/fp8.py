@@ -25,10 +25,12 @@ def ceil_exponent(amax_bits):
 
 @triton.jit
 def fp8_e4m3_bytes(y, HARDWARE_CAST: tl.constexpr):
-    """y (fp32) as float8_e4m3fn bytes, rounded to nearest even, saturating at +-448; NaN stays NaN.
+    """y (fp32) as float8_e4m3fn bytes, rounded to nearest even, saturating at +-448; every NaN is
+    0x7F, whatever its sign (docs/quantization.md).
 
-    HARDWARE_CAST: the GPU's saturating conversion. Otherwise the same rounding in integer
-    arithmetic (the CPU interpreter's fp8 cast neither rounds to even nor saturates)."""
+    HARDWARE_CAST: the GPU's saturating conversion, which writes 0x7F for the NaN its arithmetic
+    gives (y is a product: always 0x7FFFFFFF there). Otherwise the same in integer arithmetic (the
+    CPU interpreter's fp8 cast neither rounds to even nor saturates, and the CPU keeps a NaN's sign)."""
     if HARDWARE_CAST:
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     bits = y.to(tl.int32, bitcast=True)
@@ -42,8 +44,8 @@ def fp8_e4m3_bytes(y, HARDWARE_CAST: tl.constexpr):
     subnormal = ((small * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
     code = tl.where(is_normal, normal, subnormal)
     code = tl.where(magnitude >= 0x43E00000, 0x7E, code)  # 448 and above (Inf included) saturate
-    code = tl.where(magnitude > 0x7F800000, 0x7F, code)  # NaN
-    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
+    code = code | ((bits >> 24) & 0x80)
+    return tl.where(magnitude > 0x7F800000, 0x7F, code).to(tl.uint8)  # NaN, without its sign
 
 
 @triton.jit
