@@ -8,8 +8,11 @@ torch.Generator and then moved, so a case is the same on every device and target
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from permgen.core import axes, contract
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
 HAS_CUDA = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parent.parent
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # e.g. the expert-parallel ranks, which skip conftest.py
     import interpreter_patch
@@ -444,3 +448,30 @@ def nki_generation_of_the_variant(request, monkeypatch):
     name = request.node.callspec.params.get("name") if hasattr(request.node, "callspec") else None
     with generation_for(permgen.VARIANTS.get(name, {"quantize": "none"}), monkeypatch):
         yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh processes
+# ---------------------------------------------------------------------------------------------
+
+def run_python(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """code run by a fresh python, with the repository and tests/ importable and, without a GPU, the
+    Triton kernels interpreted as in the suite: for what a test worker must not run itself."""
+    paths = [str(ROOT), str(ROOT / "tests")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    if not HAS_CUDA:
+        env.setdefault("TRITON_INTERPRET", "1")
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_fails_a_device_assertion(code: str, message: str, *args: str, after: str | None = None):
+    """code (ending in a sync) fails a device-side assertion, in a fresh python (run_python): on CUDA
+    the assertion leaves its process's CUDA context unusable, so a test worker that ran it would fail
+    every later test. CUDA reports "device-side assert"; on the CPU torch._assert_async raises
+    `message`. after: a line code prints before the asserting call, which must have come out."""
+    done = run_python(code, *args)
+    want = "device-side assert" if HAS_CUDA else message
+    assert done.returncode != 0 and want in done.stderr, \
+        f"exit status {done.returncode}, expected a failure with {want!r}:\n{done.stderr[-3000:]}"
+    assert after is None or after in done.stdout.splitlines(), f"{after!r} not printed:\n{done.stderr[-3000:]}"

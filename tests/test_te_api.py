@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import permgen
-from cases import (DEVICE, HAS_CUDA, assert_bits_equal, assert_close, check_grads, expert_ids, generator_for, leaf,
-                   routing_from_ids)
+from cases import (DEVICE, HAS_CUDA, assert_bits_equal, assert_close, assert_fails_a_device_assertion, check_grads,
+                   expert_ids, generator_for, leaf, routing_from_ids)
 from reference import permute_ref, sort_chunks_ref, unpermute_ref
 
 BACKEND = "inductor" if HAS_CUDA else "aot_eager"
@@ -394,10 +394,28 @@ def test_a_part_of_a_map_is_refused(map_type, part, request):
         assert_bits_equal(permgen.moe_unpermute(out, whole, map_type=te_type), want, "a whole map")
 
 
-def test_expert_ids_passed_as_a_capped_mask_are_counted_and_asserted(request):
+# check_routes_on_device(True) with a 0 / 1 mask, then with [N, k] expert ids passed as a capped mask.
+CAPPED_IDS_AS_A_MASK = """
+import sys
+import torch
+from permgen.integrations import te
+device = "cuda" if torch.cuda.is_available() else "cpu"
+tokens, ids, mask, cap = torch.load(sys.argv[1])
+tokens, ids, mask = tokens.to(device), ids.to(device), mask.to(device)
+te.check_routes_on_device(True)
+te.moe_permute(tokens, mask, num_out_tokens=cap)
+torch.empty(1, device=device).tolist()  # a sync: where a device assertion surfaces
+print("the 0 / 1 mask passed", flush=True)
+te.moe_permute(tokens, ids, num_out_tokens=cap)
+torch.empty(1, device=device).tolist()
+"""
+
+
+def test_expert_ids_passed_as_a_capped_mask_are_counted_and_asserted(request, tmp_path):
     """[N, k] expert ids with map_type left at 'mask' and num_out_tokens: no host read, so they are
     counted on the device as routes without a slot (te.route_tallies), and
-    check_routes_on_device(True) fails the call; a 0 / 1 integer mask counts nothing."""
+    check_routes_on_device(True) fails the call (a device-side assertion: in its own process);
+    a 0 / 1 integer mask counts nothing and passes the check."""
     g = generator_for(request)
     tokens, ids, _ = inputs(g, "bf16")
     _, row_id_map = permgen.moe_permute(tokens, ids.long(), num_out_tokens=N * K)
@@ -406,13 +424,9 @@ def test_expert_ids_passed_as_a_capped_mask_are_counted_and_asserted(request):
     mask = routing_from_ids({"routing": "mask"}, ids.cpu(), E).to(DEVICE).int()
     _, mask_map = permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
     assert permgen.integrations.te.route_tallies(mask_map).tolist() == [0, 0]
-    permgen.integrations.te.check_routes_on_device(True)
-    try:
-        with pytest.raises(RuntimeError, match="values other than 0 and 1"):
-            permgen.moe_permute(tokens, ids.long(), num_out_tokens=N * K)
-        permgen.moe_permute(tokens, mask, num_out_tokens=N * K)
-    finally:
-        permgen.integrations.te.check_routes_on_device(False)
+    torch.save((tokens.cpu(), ids.long().cpu(), mask.cpu(), N * K), tmp_path / "inputs.pt")
+    assert_fails_a_device_assertion(CAPPED_IDS_AS_A_MASK, "moe_permute: routing_map holds values other than 0 and 1",
+                                    str(tmp_path / "inputs.pt"), after="the 0 / 1 mask passed")
     leafed = tokens.float().requires_grad_()  # the count leaves the saved row map usable by backward
     out, row_id_map = permgen.moe_permute(leafed.to(torch.bfloat16), ids.long(), num_out_tokens=N * K)
     out.float().sum().backward()
