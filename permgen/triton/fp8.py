@@ -28,9 +28,9 @@ def fp8_e4m3_bytes(y, HARDWARE_CAST: tl.constexpr):
     """y (fp32) as float8_e4m3fn bytes, rounded to nearest even, saturating at +-448; every NaN is
     0x7F, whatever its sign (docs/quantization.md).
 
-    HARDWARE_CAST: the GPU's saturating conversion, which writes 0x7F for the NaN its arithmetic
-    gives (y is a product: always 0x7FFFFFFF there). Otherwise the same in integer arithmetic (the
-    CPU interpreter's fp8 cast neither rounds to even nor saturates, and the CPU keeps a NaN's sign)."""
+    HARDWARE_CAST: the GPU's saturating conversion, which writes every NaN as 0x7F (H200: both signs).
+    Otherwise the same in integer arithmetic (the CPU interpreter's fp8 cast neither rounds to even
+    nor saturates, and a CPU keeps a NaN's sign)."""
     if HARDWARE_CAST:
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     bits = y.to(tl.int32, bitcast=True)
