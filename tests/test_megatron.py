@@ -58,10 +58,15 @@ def close(got, want, what, tol=None):
 
 
 def test_enable_is_reversible():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as dispatcher
+
     assert moe_utils.HAVE_TE and moe_utils.fused_permute is not None
+    wrapped = dispatcher.__init__
+    assert wrapped.__wrapped__ is not None  # its orders that move nothing kept on the host
     assert not megatron.enable()  # already on
     megatron.disable()
     assert not moe_utils.HAVE_TE and getattr(moe_utils, "fused_permute", None) is None  # newer releases bind None
+    assert dispatcher.__init__ is wrapped.__wrapped__
     with pytest.raises(ValueError, match="fused_permute is not available"):
         moe_utils.permute(tokens_of(torch.Generator()), routing(torch.Generator())[0], fused=True)
     assert megatron.enable()
@@ -167,6 +172,26 @@ def test_sort_chunks_by_idxs(with_probs, request):
         assert_bits_equal(fused_leaves[1].grad, plain_leaves[1].grad, "prob grads")
 
 
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no_probs"])
+def test_sort_chunks_by_an_order_that_moves_nothing(with_probs, request):
+    """The dispatcher's order at expert- and tensor-parallel size 1, kept on the host (enable()): the
+    fused sort returns the rows themselves (no launch, no copy; the dispatcher never writes into them)
+    and the gradients pass through. The order is read on every call: rewritten in its memory behind
+    its version counter, the next sort follows it."""
+    g = generator_for(request)
+    split_sizes, order = torch.tensor([3, 0, 4, 2]), torch.arange(4)
+    tokens, probs = tokens_of(g, n=9).requires_grad_(), torch.rand(9, generator=g).to(DEVICE).requires_grad_()
+    rows, row_probs = moe_utils.sort_chunks_by_idxs(tokens, split_sizes, order, probs=probs if with_probs else None,
+                                                    fused=True)
+    assert rows is tokens and (row_probs is probs if with_probs else row_probs is None)
+    order.data.copy_(torch.tensor([2, 0, 3, 1]))
+    assert order._version == 0
+    rows, _ = moe_utils.sort_chunks_by_idxs(tokens, split_sizes, order, fused=True)
+    plain, _ = moe_utils.sort_chunks_by_idxs(tokens, split_sizes, order, fused=False)
+    assert rows is not tokens
+    assert_bits_equal(rows, plain, "rows sorted by the rewritten order")
+
+
 def test_padding_for_quantization(request):
     """Padding the experts' rows for FP8 GEMMs: megatron-core's pad_routing_map routes extra tokens
     until each expert's count is a multiple of the alignment, and permute keeps every route
@@ -238,6 +263,9 @@ def test_alltoall_dispatcher_world_size_one(request):
                                        bf16=True, params_dtype=torch.bfloat16)
             dispatcher = MoEAlltoAllTokenDispatcher(num_experts, list(range(num_experts)), config,
                                                     pg_collection=pg_collection)
+            # One rank: its orders move nothing; kept on the host, where the fused sort reads them.
+            assert dispatcher.sort_input_by_local_experts.device.type == "cpu"
+            assert dispatcher.restore_output_by_local_experts.device.type == "cpu"
             x, p = hidden.clone().requires_grad_(), probs.clone().requires_grad_()
             rows, row_probs = dispatcher.dispatch_preprocess(x, mask, p)
             rows, row_probs = dispatcher.token_dispatch(rows, row_probs)

@@ -13,6 +13,13 @@ False, so the fused path raises. enable() binds them to permgen's TE-compatible 
 (permgen.integrations.te) and sets `HAVE_TE`; the other names behind that flag (fused routing, aux loss, GEMM)
 become None, so megatron-core's own "not available" errors still name them. disable() puts back
 what was there. Where TransformerEngine is installed, enable() changes nothing and returns False.
+
+megatron-core's `MoEAlltoAllTokenDispatcher` sorts its rows' chunks by two orders it makes once, on the
+GPU when fused. At expert- and tensor-parallel size 1 they move nothing, on every call. permgen never
+reads an order on the device (no device sync), so such an order would copy the rows; enable() makes
+the dispatcher keep an order that moves nothing on the host (one read, when it is constructed). The
+chunk sort reads a host order on every call and, for the dispatcher, returns the rows themselves when
+it moves nothing (no launch, no copy: `alias_in_order`; the dispatcher never writes into them).
 """
 
 from __future__ import annotations
@@ -20,9 +27,14 @@ from __future__ import annotations
 import functools
 import importlib
 
+import torch
+
 from . import te
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+# The dispatcher's chunk orders: its attributes, made in its constructor.
+DISPATCHER_ORDERS = ("sort_input_by_local_experts", "restore_output_by_local_experts")
 
 # megatron-core's name in moe_utils -> the permgen function it calls instead of TransformerEngine's
 FUNCTIONS = {
@@ -30,14 +42,33 @@ FUNCTIONS = {
     "fused_permute_with_probs": te.moe_permute_with_probs,
     "fused_permute_and_pad_with_probs": te.moe_permute_and_pad_with_probs,
     "fused_unpermute": te.moe_unpermute,
-    "fused_sort_chunks_by_index": te.moe_sort_chunks_by_index,
-    "fused_sort_chunks_by_index_with_probs": te.moe_sort_chunks_by_index_with_probs,
+    "fused_sort_chunks_by_index": functools.partial(te.moe_sort_chunks_by_index, alias_in_order=True),
+    "fused_sort_chunks_by_index_with_probs": functools.partial(te.moe_sort_chunks_by_index_with_probs,
+                                                               alias_in_order=True),
 }
 # Other TransformerEngine names moe_utils guards with HAVE_TE: None, so its checks say they are missing.
 UNAVAILABLE = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_topk_with_score_function",
                "te_general_gemm")
 _MISSING = object()
 _saved: dict = {}  # name -> what moe_utils held before enable() (_MISSING: nothing)
+_saved_init: dict = {}  # the dispatcher class -> its __init__ before enable()
+
+
+def _orders_that_move_nothing_on_the_host(init):
+    """The dispatcher's constructor, then each of its chunk orders on a device that moves nothing moved
+    to the host (see the module docstring)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for name in DISPATCHER_ORDERS:
+            order = getattr(self, name, None)
+            if isinstance(order, torch.Tensor) and order.device.type != "cpu":
+                host = order.cpu()
+                if host.tolist() == list(range(host.numel())):
+                    setattr(self, name, host)
+
+    return __init__
 
 
 def enable() -> bool:
@@ -54,6 +85,13 @@ def enable() -> bool:
     for name, function in FUNCTIONS.items():
         setattr(moe_utils, name, function)
     moe_utils.HAVE_TE = True
+    try:
+        dispatcher = importlib.import_module(TOKEN_DISPATCHER).MoEAlltoAllTokenDispatcher
+    except (ImportError, AttributeError):  # a release without it: its orders stay where it puts them
+        dispatcher = None
+    if dispatcher is not None:
+        _saved_init[dispatcher] = dispatcher.__init__
+        dispatcher.__init__ = _orders_that_move_nothing_on_the_host(dispatcher.__init__)
     if callable(_saved["is_te_min_version"]):
         # Newer releases ask for TransformerEngine's version on every fused unpermute; without TE each
         # ask is a failed import (about 100 us of host time per step). The answer cannot change while
@@ -73,6 +111,9 @@ def disable() -> None:
         else:
             setattr(moe_utils, name, value)
     _saved.clear()
+    for dispatcher, init in _saved_init.items():
+        dispatcher.__init__ = init
+    _saved_init.clear()
 
 
 def enabled() -> bool:

@@ -314,17 +314,22 @@ _CHUNK_SORT = chunk_sort()  # made here (no op is registered before its first ca
 
 
 @_te_errors
-def moe_sort_chunks_by_index(inp, split_sizes, sorted_index):
+def moe_sort_chunks_by_index(inp, split_sizes, sorted_index, *, alias_in_order=False):
     """Split inp's rows [N, H] into chunks of split_sizes (they sum to N) and concatenate the chunks
-    in the order of sorted_index; differentiable. Returns output [N, H]."""
-    return _CHUNK_SORT.sort("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, None, _TOKEN_DTYPES)[0]
+    in the order of sorted_index; differentiable. Returns output [N, H], a new tensor (as TE's).
+
+    alias_in_order (permgen's, not TE's): when sorted_index is on the CPU (read on every call) and
+    moves nothing (0, 1, ..., C - 1), return inp itself, not a copy: for a caller that never writes
+    into the output (megatron-core's dispatcher, permgen.integrations.megatron)."""
+    return _CHUNK_SORT.sort("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, None, _TOKEN_DTYPES,
+                            alias_in_order=alias_in_order)[0]
 
 
 @_te_errors
-def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index):
+def moe_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index, *, alias_in_order=False):
     """moe_sort_chunks_by_index, moving probs [N] with their rows. Returns (output, permuted_probs)."""
     return _CHUNK_SORT.sort("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index, probs,
-                            _TOKEN_DTYPES)
+                            _TOKEN_DTYPES, alias_in_order=alias_in_order)
 
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",

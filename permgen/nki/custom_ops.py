@@ -29,7 +29,7 @@ NEURON_DEVICES = ("neuron", "xla")
 
 # Schema argument types permgen's ops use -> the annotation torch.library.infer_schema maps back to them.
 _ANNOTATIONS = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "SymInt": int, "SymInt?": Optional[int],
-                "bool": bool, "ScalarType": torch.dtype}
+                "bool": bool, "ScalarType": torch.dtype, "str": str}
 
 
 def torch_neuronx():
