@@ -178,6 +178,20 @@ def test_quantizing_variants_need_neuroncore_v4(name, monkeypatch):
         assert mod.permute(*inputs, num_experts=case.E, num_out_tokens=cap).tokens.dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.skipif(nki_emulator.real_nki_available(), reason="the emulator's default platform; nki.simulate's "
+                    "is the chip it finds")
+@pytest.mark.parametrize("name", [n for n in NKI_VARIANTS if load("nki", n).VARIANT["quantize"] != "none"])
+def test_quantizing_variants_on_the_default_platform_say_how_to_select_trn3(name):
+    """On CPU the emulator's platform is Trn2 unless chosen: the refusal names both ways to choose Trn3."""
+    mod = load("nki", name)
+    case = next(c for c in CASES if c.name == "ragged")
+    inputs, cap = inputs_and_cap(mod, case, torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError) as refused:
+        mod.permute(*inputs, num_experts=case.E, num_out_tokens=cap)
+    assert 'permgen.nki.emulator.on(permgen.nki.emulator.Platform("trn3"))' in str(refused.value)
+    assert "NEURON_PLATFORM_TARGET_OVERRIDE=trn3" in str(refused.value)
+
+
 @pytest.mark.parametrize("name", [_with(routing="mask", pad=0, dtype="bf16"), _with(routing="mask", scale="block128")])
 def test_topk_hint_below_the_routes_drops_the_later_experts(name, request):
     """With a topk hint smaller than a token's routes (and no check), its experts past the first
