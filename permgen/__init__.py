@@ -15,10 +15,39 @@ import importlib
 import importlib.abc
 import importlib.util
 import os
+import re
 import sys
 
-from .core import axes, contract
-from .core.registry import GENERATED, find_variant, get_kernel
+# The oldest torch permgen supports: pyproject.toml's requirement (tests/test_package.py keeps the two equal).
+MIN_TORCH = (2, 4)
+
+
+def _refuse_an_older_torch():
+    """Name an installed torch older than MIN_TORCH now, rather than let it fail later inside an op.
+    The version is read from torch/version.py: importing torch takes seconds, its metadata tens of ms."""
+    version = getattr(sys.modules.get("torch"), "__version__", None)
+    if version is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.origin is None:
+            return  # no torch yet: the first call that needs it raises ModuleNotFoundError
+        try:
+            with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as file:
+                found = re.search(r"^__version__(?:\s*:\s*str)?\s*=\s*['\"]([^'\"]+)", file.read(), re.M)
+        except OSError:
+            found = None
+        if found is None:
+            return  # a torch without a release's version.py (a source build in progress): nothing to compare
+        version = found.group(1)
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:2]) < MIN_TORCH:
+        minimum = ".".join(map(str, MIN_TORCH))
+        raise ImportError(f"permgen needs torch >= {minimum}; this environment has torch {version}. "
+                          f"Upgrade it: pip install --upgrade 'torch>={minimum}'")
+
+
+_refuse_an_older_torch()
+
+from .core import axes, contract  # noqa: E402
+from .core.registry import GENERATED, find_variant, get_kernel  # noqa: E402
 
 # pyproject.toml's version, written here so that importing permgen reads no package metadata
 # (tests/test_package.py keeps the two equal).

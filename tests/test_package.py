@@ -99,6 +99,31 @@ def test_import_permgen_is_light():
     assert out.stdout.strip() == "[]"
 
 
+def test_min_torch_is_pyprojects():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (bound,) = [re.fullmatch(r"torch>=([\d.]+)", d).group(1) for d in deps if d.startswith("torch")]
+    assert permgen.MIN_TORCH == tuple(int(part) for part in bound.split("."))
+
+
+@pytest.mark.parametrize("found", ["2.3.1+cu121", "2.4.0", "2.13.0+cpu"])
+def test_import_permgen_refuses_an_older_torch_by_name(found, tmp_path):
+    """A torch older than pyproject's bound fails `import permgen` naming both versions and the fix,
+    without importing torch (this stand-in cannot be imported); the bound and newer pass."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise RuntimeError('torch was imported')\n")
+    (tmp_path / "torch" / "version.py").write_text(f"__version__ = '{found}'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-c", "import permgen"], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=120)
+    minimum = ".".join(map(str, permgen.MIN_TORCH))
+    if tuple(int(part) for part in re.findall(r"\d+", found)[:2]) >= permgen.MIN_TORCH:
+        assert out.returncode == 0, out.stderr
+    else:
+        assert out.returncode != 0 and "ImportError" in out.stderr, out.stderr
+        assert f"permgen needs torch >= {minimum}; this environment has torch {found}" in out.stderr
+        assert f"pip install --upgrade 'torch>={minimum}'" in out.stderr
+
+
 def test_import_permgen_loads_no_target_feature_or_integration():
     """`import permgen` loads the core only: the subpackages of the targets, the features and the
     integrations are imported when used."""
