@@ -377,6 +377,12 @@ def test_fp8_row_quantiser_matches_reference(request):
     want_rows, want_scale = quantize_ref(x, "rowwise")
     assert torch.equal(rows.view(torch.uint8), want_rows.view(torch.uint8))
     assert torch.equal(scale, want_scale.view(-1))
+    # it reads bf16 bits in place: other dtypes and layouts are refused, not read as bf16
+    with pytest.raises(ValueError, match=r"quantize_rows: x must be a contiguous torch.bfloat16 tensor \[R, C\], got "
+                                         r"torch.float32 \[16, 83\]"):
+        quantize_rows(x.float())
+    with pytest.raises(ValueError, match=r"got non-contiguous torch.bfloat16 \[83, 16\]"):
+        quantize_rows(x.t())
 
 
 @pytest.mark.parametrize("name", FP8_VARIANTS)
@@ -389,14 +395,14 @@ def test_fp8_expert_mlp_bad_input(name, request):
     with pytest.raises(TypeError, match="fp8_weights must be what expert_mlp.quantize_weights"):
         mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, fp8_weights=(w1, w2))
     stale = mod.expert_mlp.quantize_weights(w1[:, :16], w2[:, :, :16])
-    with pytest.raises(ValueError, match=r"fp8_weights.w1 must be contiguous torch.float8_e4m3fn \[4, 32, 32\]"):
+    with pytest.raises(ValueError, match=r"fp8_weights.w1_t must be contiguous torch.float8_e4m3fn \[4, 32, 32\]"):
         mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, fp8_weights=stale)
-    _, (tokens, routing, probs, w1, w2) = make_case(name, Case("odd", N=6, H=24, E=4, k=2), 16, g)
-    with pytest.raises(ValueError, match=r"H \(the tokens' columns\) = 24 must be a multiple of 16"):
-        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4)
     with pytest.raises(ValueError, match="fp8_weights are for the FP8 expert MLP"):
         load("triton", "probs_bf16_index").expert_mlp(tokens, routing, probs, w1, w2, num_experts=4,
                                                       fp8_weights=mod.expert_mlp.quantize_weights(w1, w2))
+    _, (tokens, routing, probs, w1, w2) = make_case(name, Case("odd", N=6, H=24, E=4, k=2), 16, g)
+    with pytest.raises(ValueError, match=r"H \(the tokens' columns\) = 24 must be a multiple of 16"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4)
 
 
 @pytest.mark.parametrize("name", FP8_VARIANTS)
@@ -411,8 +417,9 @@ def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
     _, (tokens, routing, probs, w1, w2) = make_case(name, case, 16, g)
     mod = load("triton", name)
 
-    def layer(x, p, a, b):
-        return mod.expert_mlp(x, routing, p, a, b, num_experts=case.E, num_out_tokens=case.N * case.k + 8)
+    def layer(x, p, a, b, fp8_weights=None):
+        return mod.expert_mlp(x, routing, p, a, b, num_experts=case.E, num_out_tokens=case.N * case.k + 8,
+                              fp8_weights=fp8_weights)
 
     counter = CompileCounterWithBackend("inductor" if HAS_CUDA else "aot_eager")
     compiled = torch.compile(layer, fullgraph=True, backend=counter)
@@ -425,6 +432,10 @@ def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
     grad = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
     for a, b in zip(torch.autograd.grad(got, compiled_in, grad), torch.autograd.grad(want, eager_in, grad)):
         assert same(a, b)
+    # fp8_weights are checked in compiled calls too: a copy of another fp8 dtype is refused, not read as e4m3
+    weights = mod.expert_mlp.quantize_weights(w1, w2)
+    with pytest.raises((ValueError, RuntimeError), match=r"fp8_weights.w1_t must be contiguous torch.float8_e4m3fn"):
+        compiled(*compiled_in, weights._replace(w1_t=weights.w1_t.view(torch.float8_e5m2)))
     torch._dynamo.reset()
     ops = mod.expert_mlp.fp8_ops.custom_ops
     # (test_schema compares fp8 tensors with arithmetic the CPU has no fp8 kernel for)
@@ -435,7 +446,7 @@ def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
     q, s = ops["fp8_quantize_rows"](x)
     weights = mod.expert_mlp.quantize_weights(w1, w2)
     offs = torch.tensor([3, 3, 9], dtype=torch.int32, device=x.device)
-    torch.library.opcheck(ops["fp8_scaled_grouped_mm"], (q, s, weights.w1.transpose(1, 2), weights.w1_scale, offs),
+    torch.library.opcheck(ops["fp8_scaled_grouped_mm"], (q, s, weights.w1_t.transpose(1, 2), weights.w1_t_scale, offs),
                           test_utils=utils)
 
 
@@ -457,9 +468,9 @@ def test_fp8_expert_mlp_real_shape(name):
     weights = mod.expert_mlp.quantize_weights(w1, w2)
     res = mod.permute(x, ids, probs, num_experts=E)
     offs = (res.row_id_map.segment_offsets[1:E + 1]).to(torch.int32)
-    gpu = scaled_grouped_mm(res.tokens, res.scale.view(-1), weights.w1.transpose(1, 2), weights.w1_scale, offs)
+    gpu = scaled_grouped_mm(res.tokens, res.scale.view(-1), weights.w1_t.transpose(1, 2), weights.w1_t_scale, offs)
     cpu = emulated_scaled_grouped_mm(*(t.cpu() for t in (res.tokens, res.scale.view(-1),
-                                                         weights.w1.transpose(1, 2), weights.w1_scale, offs)))
+                                                         weights.w1_t.transpose(1, 2), weights.w1_t_scale, offs)))
     rows = int(offs[-1])
     close(gpu[:rows].cpu(), cpu[:rows], "torch._scaled_grouped_mm against its definition")
     leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
@@ -490,3 +501,42 @@ def test_fp8_column_quantiser_matches_transposed_rows(request):
         assert q.shape == (matrices, cols, rows) and scale.shape == (matrices, cols)
         assert torch.equal(q.view(torch.uint8).reshape(-1, rows), want_rows.view(torch.uint8))
         assert torch.equal(scale.reshape(-1), want_scale.view(-1))
+    with pytest.raises(ValueError, match=r"quantize_columns: x must be a contiguous torch.bfloat16 tensor "
+                                         r"\[B, R, C\], got torch.float16 \[2, 41, 129\]"):
+        quantize_columns(x.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("name", FP8_VARIANTS)
+def test_fp8_quantize_weights_refuses_other_dtypes(name, dtype, request):
+    """The quantisers read bf16 bits: weights of any other dtype are refused by name, on both weights
+    (they were read as bf16 and gave NaN or wrong rows)."""
+    _, (_, _, _, w1, w2) = make_case(name, Case("dtype", N=4, H=32, E=3, k=2), 16, generator_for(request))
+    quantize = load("triton", name).expert_mlp.quantize_weights
+    with pytest.raises(ValueError, match=rf"{name}: w1 must be torch.bfloat16 .*got {dtype}"):
+        quantize(w1.to(dtype), w2)
+    with pytest.raises(ValueError, match=rf"{name}: w2 must be torch.bfloat16 .*got {dtype}"):
+        quantize(w1, w2.to(dtype))
+
+
+@pytest.mark.parametrize("name", FP8_VARIANTS)
+def test_fp8_quantize_weights_refuses_bad_shapes(name, request):
+    """quantize_weights checks w1 [E, H, 2F] and w2 [E, F, H] as expert_mlp does, naming the shapes
+    it expects (a 2-D w1 failed with "not enough values to unpack")."""
+    _, (_, _, _, w1, w2) = make_case(name, Case("shape", N=4, H=32, E=3, k=2), 16, generator_for(request))
+    quantize = load("triton", name).expert_mlp.quantize_weights
+    with pytest.raises(ValueError, match=r"w1 must be a 3-D tensor \[E, H, 2F\], got \[32, 32\]"):
+        quantize(w1[0], w2)
+    with pytest.raises(ValueError, match=r"w2 must be a 3-D tensor \[E, F, H\], got \[16, 32\]"):
+        quantize(w1, w2[0])
+    with pytest.raises(TypeError, match=r"w1 must be a torch.Tensor \[E, H, 2F\], got list"):
+        quantize(w1.tolist(), w2)
+    with pytest.raises(ValueError, match=r"w2 must be \[E, F, H\] = \(3, 16, 32\) for w1 \[3, 32, 32\], got \[3, 16, 16\]"):
+        quantize(w1, w2[:, :, :16])
+    with pytest.raises(ValueError, match=r"w1 must be \[E, H, 2F\] for SwiGLU, got \[3, 32, 31\]"):
+        quantize(w1[:, :, :31], w2)
+    with pytest.raises(ValueError, match=r"w2 is on meta, expected cpu \(w1.s device\)"):
+        quantize(w1, w2.to("meta"))
+    _, (_, _, _, w1, w2) = make_case(name, Case("odd", N=4, H=24, E=3, k=2), 16, generator_for(request))
+    with pytest.raises(ValueError, match=r"H \(.*\) = 24 must be a multiple of 16"):
+        quantize(w1, w2)

@@ -46,33 +46,46 @@ def _segment_ends(row_id_map, experts):
     return row_id_map.segment_offsets[:experts + 1].clamp(max=row_id_map.num_rows)
 
 
+def _check_weights(name, w1, w2, dtype, device, row_dtype, hidden=None):
+    """w1 [E, H, 2F] and w2 [E, F, H] of `dtype` on `device` (None: w1's; any strides: torch._grouped_mm
+    and the quantisers take either layout), H = hidden where given, H and F whole 16-byte rows of
+    row_dtype. Returns E."""
+    for label, w, shape in (("w1", w1, "[E, H, 2F]"), ("w2", w2, "[E, F, H]")):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name}: {label} must be a torch.Tensor {shape}, got {type(w).__name__}")
+        if w.dim() != 3:
+            raise ValueError(f"{name}: {label} must be a 3-D tensor {shape}, got {list(w.shape)} (E experts, H the "
+                             "tokens' columns, F each expert's SwiGLU width)")
+        if w.dtype != dtype:
+            raise ValueError(f"{name}: {label} must be {dtype} (the variant's token dtype, which the layer's weights "
+                             f"share), got {w.dtype}")
+        if w.device != (device or w1.device):
+            whose = "the tokens' device" if device else "w1's device"
+            raise ValueError(f"{name}: {label} is on {w.device}, expected {device or w1.device} ({whose})")
+    experts, rows, width2 = w1.shape
+    if (hidden is not None and rows != hidden) or width2 % 2:
+        with_hidden = "" if hidden is None else f" with H = {hidden} (the tokens' columns)"
+        raise ValueError(f"{name}: w1 must be [E, H, 2F] for SwiGLU{with_hidden}, got {list(w1.shape)}")
+    if tuple(w2.shape) != (experts, width2 // 2, rows):
+        raise ValueError(f"{name}: w2 must be [E, F, H] = {(experts, width2 // 2, rows)} for w1 {list(w1.shape)}, "
+                         f"got {list(w2.shape)}")
+    # torch._grouped_mm takes rows of whole 16-byte multiples (its words: "strides should be multiple of 16 bytes").
+    multiple = max(1, 16 // row_dtype.itemsize)
+    for label, size in (("H (the tokens' columns)", rows), ("F (w2's rows, w1's columns / 2)", width2 // 2)):
+        if size % multiple:
+            raise ValueError(f"{name}: {label} = {size} must be a multiple of {multiple} for {row_dtype} rows "
+                             "(the grouped GEMM reads rows of 16-byte multiples)")
+    return experts
+
+
 def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None,
                    topk=None, save_memory=False, fp8_ops=None, fp8_weights=None):
     name, v = ops.name, ops.variant
     check_tensor(v, "tokens", tokens, (None, None), (v.token_dtype,), None)
     if probs is not None and not v.probs:
         raise ValueError(f"{name}: this variant has no probs; use a variant with probs = true")
-    for label, w in (("w1", w1), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            raise ValueError(f"{name}: {label} must be a 3-D tensor [E, in, out], got "
-                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
-        if w.dtype != tokens.dtype or w.device != tokens.device:
-            raise ValueError(f"{name}: {label} must be {tokens.dtype} on {tokens.device} like the tokens, "
-                             f"got {w.dtype} on {w.device}")  # (any strides: torch._grouped_mm takes either layout)
-    experts, hidden, width2 = w1.shape
-    if hidden != tokens.shape[1] or width2 % 2:
-        raise ValueError(f"{name}: w1 must be [E, H, 2F] for SwiGLU with H = {tokens.shape[1]} (the tokens' "
-                         f"columns), got {tuple(w1.shape)}")
-    if tuple(w2.shape) != (experts, width2 // 2, hidden):
-        raise ValueError(f"{name}: w2 must be [E, F, H] = {(experts, width2 // 2, hidden)} for w1 "
-                         f"{tuple(w1.shape)}, got {tuple(w2.shape)}")
-    # torch._grouped_mm takes rows of whole 16-byte multiples (its words: "strides should be multiple of 16 bytes").
     row_dtype = torch.float8_e4m3fn if fp8_ops is not None else tokens.dtype
-    multiple = max(1, 16 // row_dtype.itemsize)
-    for label, size in (("H (the tokens' columns)", hidden), ("F (w2's rows, w1's columns / 2)", width2 // 2)):
-        if size % multiple:
-            raise ValueError(f"{name}: {label} = {size} must be a multiple of {multiple} for {row_dtype} rows "
-                             "(the grouped GEMM reads rows of 16-byte multiples)")
+    experts = _check_weights(name, w1, w2, tokens.dtype, tokens.device, row_dtype, tokens.shape[1])
     if num_experts is not None and num_experts != experts:
         raise ValueError(f"{name}: num_experts={num_experts} but the weights hold {experts} experts")
     if not isinstance(save_memory, bool):
@@ -100,28 +113,15 @@ def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_exper
     return ops.unpermute(out, res.row_id_map, probs)
 
 
-def _check_fp8_weights(name, weights, w1, w2):
-    if not isinstance(weights, Fp8ExpertWeights):
-        raise TypeError(f"{name}: fp8_weights must be what expert_mlp.quantize_weights(w1, w2) returns, got "
-                        f"{type(weights).__name__}")
-    (experts, hidden, width2), width = w1.shape, w1.shape[2] // 2
-    shapes = dict(w1=(experts, width2, hidden), w1_scale=(experts, width2), w1_t=(experts, hidden, width2),
-                  w1_t_scale=(experts, hidden), w2=(experts, hidden, width), w2_scale=(experts, hidden),
-                  w2_t=(experts, width, hidden), w2_t_scale=(experts, width))
-    for field, shape in shapes.items():
-        t = getattr(weights, field)
-        dtype = torch.float32 if field.endswith("scale") else torch.float8_e4m3fn
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != w1.device or not t.is_contiguous():
-            raise ValueError(f"{name}: fp8_weights.{field} must be contiguous {dtype} {list(shape)} on {w1.device} "
-                             f"(quantize_weights of these w1 and w2), got {t.dtype} {list(t.shape)} on {t.device}")
-
-
 def _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts, num_out_tokens, topk, fp8_weights):
     """permute-quantise -> FP8 MLP (permgen.layers.fp8_mlp) -> unpermute."""
     if fp8_weights is None:
         fp8_weights = fp8_ops.quantize_weights(w1, w2)
-    elif not torch.compiler.is_compiling():
-        _check_fp8_weights(ops.name, fp8_weights, w1, w2)
+    elif not isinstance(fp8_weights, Fp8ExpertWeights):
+        raise TypeError(f"{ops.name}: fp8_weights must be what expert_mlp.quantize_weights(w1, w2) returns, got "
+                        f"{type(fp8_weights).__name__}")
+    else:
+        fp8_weights.check(ops.name, w1, w2)
     res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
     m = res.row_id_map
     # permute's scales are [M, 1]: the [M] view is the GEMM's row scales, no copy.
@@ -152,9 +152,15 @@ def bind_expert_mlp(ops):
                               num_out_tokens=num_out_tokens, topk=topk, save_memory=save_memory, fp8_ops=fp8_ops,
                               fp8_weights=fp8_weights)
 
+    def quantize_weights(w1, w2):
+        """Fp8ExpertWeights: the FP8 copies of w1 [E, H, 2F] and w2 [E, F, H] (the layer's dtype, bf16)
+        that expert_mlp reads as fp8_weights; made once per optimizer step (the weights change there)."""
+        _check_weights(ops.name, w1, w2, ops.variant.token_dtype, None, torch.float8_e4m3fn)
+        return fp8_ops.quantize_weights(w1, w2)
+
     expert_mlp_.__name__ = "expert_mlp"
     expert_mlp_.gather_ops = gather_ops
     if fp8_ops is not None:
         expert_mlp_.fp8_ops = fp8_ops
-        expert_mlp_.quantize_weights = fp8_ops.quantize_weights
+        expert_mlp_.quantize_weights = quantize_weights
     return expert_mlp_

@@ -2,14 +2,19 @@
 (quantize = "rowwise", expert_mlp = true; docs/expert_mlp.md, "FP8").
 
     rows, row_scale = permute-quantise(tokens)                      float8_e4m3fn [M, H], fp32 [M]
-    h   = scaled_grouped_mm(rows, row_scale, w1 in fp8)             bf16 [M, 2F]
+    h   = scaled_grouped_mm(rows, row_scale, w1_t in fp8)           bf16 [M, 2F]
     a   = quantise_rows(swiglu(h))
-    out = scaled_grouped_mm(a, w2 in fp8)                           bf16 [M, H], then unpermute
+    out = scaled_grouped_mm(a, w2_t in fp8)                         bf16 [M, H], then unpermute
 
 torch._scaled_grouped_mm (Hopper: one fp32 scale per row of A and per column of B, B column-major)
 reads permute's rows and scales as they are: the scales are a view of permute's [M, 1] output.
 Weights are quantised per output column for the forward GEMMs and per input row for the backward
-ones (quantize_expert_weights, once per optimizer step if the caller keeps the result).
+ones (Fp8ExpertWeights, made by quantize_expert_weights once per optimizer step if the caller keeps
+the result).
+
+This module holds the layer between permute and unpermute: the weights' fp8 copies, the scaled GEMM,
+SwiGLU's backward kernel and the custom ops. expert_mlp (permgen.layers.expert_mlp) checks the
+arguments and runs permute and unpermute around it; the quantisers are permgen.triton.fp8's.
 
 Backward: the rows' gradients (dgrad) in FP8 -- the incoming gradient quantised rowwise, times the
 weights quantised along their other dimension -- and the weights' gradients (wgrad) in bf16 with
@@ -39,18 +44,36 @@ from ..triton.fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits, quantize_columns,
 
 
 class Fp8ExpertWeights(NamedTuple):
-    """w1 [E, H, 2F] and w2 [E, F, H] in float8_e4m3fn, each twice, every copy stored with its rows
-    quantised (one fp32 scale per row) and read transposed, column-major, as torch._scaled_grouped_mm
-    takes its second operand."""
+    """The FP8 copies of w1 [E, H, 2F] and w2 [E, F, H] that the FP8 expert MLP reads, made by
+    `expert_mlp.quantize_weights(w1, w2)`: each weight twice, w and its transpose w_t, each copy
+    float8_e4m3fn with its rows quantised (one fp32 scale per row), contiguous. torch._scaled_grouped_mm
+    reads a copy transposed, column-major, as it takes its second operand: w_t for the forward GEMMs
+    (x @ w), w for the tokens' gradients (grad @ w^T)."""
 
-    w1: torch.Tensor  # [E, 2F, H]: w1's columns, for h = x @ w1
-    w1_scale: torch.Tensor  # [E, 2F]
-    w1_t: torch.Tensor  # [E, H, 2F]: w1's rows, for the tokens' gradient dh @ w1^T
-    w1_t_scale: torch.Tensor  # [E, H]
-    w2: torch.Tensor  # [E, H, F]
-    w2_scale: torch.Tensor  # [E, H]
-    w2_t: torch.Tensor  # [E, F, H]
-    w2_t_scale: torch.Tensor  # [E, F]
+    w1_t: torch.Tensor  # [E, 2F, H]: w1 transposed, a scale per column of w1, for h = x @ w1
+    w1_t_scale: torch.Tensor  # [E, 2F]
+    w1: torch.Tensor  # [E, H, 2F]: a scale per row of w1, for the tokens' gradient dh @ w1^T
+    w1_scale: torch.Tensor  # [E, H]
+    w2_t: torch.Tensor  # [E, H, F]
+    w2_t_scale: torch.Tensor  # [E, H]
+    w2: torch.Tensor  # [E, F, H]
+    w2_scale: torch.Tensor  # [E, F]
+
+    def check(self, name, w1, w2):
+        """Raise a ValueError unless these are the copies of weights shaped as w1 and w2 are, on their device."""
+        (experts, hidden, width2), width = w1.shape, w1.shape[2] // 2
+        shapes = dict(w1_t=(experts, width2, hidden), w1_t_scale=(experts, width2), w1=(experts, hidden, width2),
+                      w1_scale=(experts, hidden), w2_t=(experts, hidden, width), w2_t_scale=(experts, hidden),
+                      w2=(experts, width, hidden), w2_scale=(experts, width))
+        for field, shape in shapes.items():
+            t = getattr(self, field)
+            dtype = torch.float32 if field.endswith("scale") else torch.float8_e4m3fn
+            if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                    or t.device != w1.device or not t.is_contiguous()):
+                got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"{name}: fp8_weights.{field} must be contiguous {dtype} {list(shape)} on "
+                                 f"{w1.device} (quantize_weights of these w1 and w2), got {got}")
 
 
 def emulated_scaled_grouped_mm(a, a_scale, b, b_scale, offs):
@@ -185,36 +208,37 @@ class Fp8Ops(_Registered):
         return torch.empty_like(h), torch.empty_like(grad)
 
     @staticmethod
-    def _mlp(tokens, rows, row_scale, w1, w2, w1_q, w1_scale, w1_t, w1_t_scale, w2_q, w2_scale, w2_t, w2_t_scale,
-             offs, row_token, row_map, num_tokens, width, num_experts):
-        h = scaled_grouped_mm(rows, row_scale, w1_q.transpose(1, 2), w1_scale, offs)
+    def _mlp(tokens, rows, row_scale, w1, w2, fp8_w1_t, fp8_w1_t_scale, fp8_w1, fp8_w1_scale, fp8_w2_t,
+             fp8_w2_t_scale, fp8_w2, fp8_w2_scale, offs, row_token, row_map, num_tokens, width, num_experts):
+        h = scaled_grouped_mm(rows, row_scale, fp8_w1_t.transpose(1, 2), fp8_w1_t_scale, offs)
         a, a_scale = quantize_rows(swiglu(h))
-        return scaled_grouped_mm(a, a_scale, w2_q.transpose(1, 2), w2_scale, offs), h
+        return scaled_grouped_mm(a, a_scale, fp8_w2_t.transpose(1, 2), fp8_w2_t_scale, offs), h
 
     @staticmethod
-    def _mlp_fake(tokens, rows, row_scale, w1, w2, w1_q, *rest):
+    def _mlp_fake(tokens, rows, row_scale, w1, w2, *rest):
         return rows.new_empty((rows.shape[0], w2.shape[2]), dtype=torch.bfloat16), \
             rows.new_empty((rows.shape[0], w1.shape[2]), dtype=torch.bfloat16)
 
     def _mlp_setup(self, ctx, inputs, output):
         ctx.calls = self.op
-        tokens, w1_t, w1_t_scale, w2_t, w2_t_scale, offs, row_token, row_map = (
+        # the tokens, the fp8 copies w1, w1_scale, w2, w2_scale (the gradients' GEMMs), offs, row_token, row_map
+        tokens, fp8_w1, fp8_w1_scale, fp8_w2, fp8_w2_scale, offs, row_token, row_map = (
             inputs[i] for i in (0, 7, 8, 11, 12, 13, 14, 15))
-        ctx.save_for_backward(tokens, output[1], w1_t, w1_t_scale, w2_t, w2_t_scale, offs, row_token, row_map)
+        ctx.save_for_backward(tokens, output[1], fp8_w1, fp8_w1_scale, fp8_w2, fp8_w2_scale, offs, row_token, row_map)
         ctx.sizes = inputs[16:]
 
     def _mlp_backward(self, ctx, grad_out, _grad_h):
-        tokens, h, w1_t, w1_t_scale, w2_t, w2_t_scale, offs, row_token, row_map = ctx.saved_tensors
+        tokens, h, fp8_w1, fp8_w1_scale, fp8_w2, fp8_w2_scale, offs, row_token, row_map = ctx.saved_tensors
         calls = ctx.calls
         needs = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
         g, g_scale = calls["fp8_quantize_rows"](grad_out)
-        grad_a = calls["fp8_scaled_grouped_mm"](g, g_scale, w2_t.transpose(1, 2), w2_t_scale, offs)
+        grad_a = calls["fp8_scaled_grouped_mm"](g, g_scale, fp8_w2.transpose(1, 2), fp8_w2_scale, offs)
         grad_h, a = calls["fp8_swiglu_backward"](grad_a, h)
         grad_tokens = grad_w1 = grad_w2 = None
         if needs[0]:
             dh, dh_scale = calls["fp8_quantize_rows"](grad_h)
-            grad_rows = calls["fp8_scaled_grouped_mm"](dh, dh_scale, w1_t.transpose(1, 2), w1_t_scale, offs)
+            grad_rows = calls["fp8_scaled_grouped_mm"](dh, dh_scale, fp8_w1.transpose(1, 2), fp8_w1_scale, offs)
             grad_tokens = self.ops.op["permute_backward"](row_map, grad_rows, *ctx.sizes, row_token.shape[0])
         if needs[3]:
             x = self.gather_ops.op["gather_rows"](tokens, row_token)
@@ -239,8 +263,9 @@ class Fp8Ops(_Registered):
 
 
 def quantize_expert_weights(w1, w2, rows=quantize_rows, columns=quantize_columns) -> Fp8ExpertWeights:
-    """The FP8 copies of w1 [E, H, 2F] and w2 [E, F, H] the FP8 expert MLP reads (no gradient flows
-    through them): each weight's columns (its transpose's rows, one kernel: columns), then its rows.
+    """The FP8 copies of bf16 w1 [E, H, 2F] and w2 [E, F, H] the FP8 expert MLP reads (no gradient flows
+    through them; the caller checks them): each weight's columns (its transpose's rows, one kernel:
+    columns), then its rows.
     Weights change once per optimizer step: a caller running several micro-batches quantises them
     once and passes the result as `fp8_weights`."""
     copies = []

@@ -160,6 +160,15 @@ def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.conste
     tl.store(scale_ptr + row, scale, mask=live)
 
 
+def _check_bf16(where, x, shape):
+    """The quantisers read bf16 bits in place: refuse any other dtype, rank or layout."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != shape.count(",") + 1 \
+            or not x.is_contiguous():
+        got = (f"{'' if x.is_contiguous() else 'non-contiguous '}{x.dtype} {list(x.shape)}"
+               if isinstance(x, torch.Tensor) else type(x).__name__)
+        raise ValueError(f"{where}: x must be a contiguous torch.bfloat16 tensor {shape}, got {got}")
+
+
 def row_tiles(rows, cols):
     """(programs, columns per step, rows per program) of a kernel that walks whole rows: steps of up to
     1024 columns, and narrow rows several to a program, so that a program still moves a few KiB."""
@@ -171,6 +180,7 @@ def row_tiles(rows, cols):
 def quantize_rows(x):
     """(float8_e4m3fn [R, C], fp32 scales [R]) of a contiguous bf16 x [R, C]: x = rows * scale[:, None]
     up to the fp8 rounding."""
+    _check_bf16("quantize_rows", x, "[R, C]")
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
     scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
@@ -200,6 +210,7 @@ def quantize_columns(x):
     """(float8_e4m3fn [B, C, R], fp32 scales [B, C]) of a contiguous bf16 x [B, R, C]: the rows of each
     x[b]^T quantised, bit for bit quantize_rows(x.transpose(1, 2).contiguous()), without the bf16
     transposed copy (one kernel reads x twice and writes the fp8 bytes once)."""
+    _check_bf16("quantize_columns", x, "[B, R, C]")
     matrices, rows, cols = x.shape
     out = torch.empty((matrices, cols, rows), dtype=torch.uint8, device=x.device)
     scale = torch.empty((matrices, cols), dtype=torch.float32, device=x.device)
