@@ -9,8 +9,9 @@ A table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` on lines o
 in a sentence between `<!-- fig:NAME -->` and `<!-- /fig -->` on one line. Everything between the
 markers is replaced (tests/test_docs.py checks that nothing is stale). The sources are
 benchmarks/results/*.json: bench.json, bench_quantize.json, bench_layer.json, bench_megatron.json
-and bench_host.json (make bench), bench_ep.json (make bench-ep). A table whose results are absent
-renders as nothing. Needs no GPU.
+and bench_host.json (make bench), bench_ep.json (make bench-ep), nki_cost_lnc1.json and
+nki_cost_lnc2.json (nki_cost.py --lnc 1 / 2), nki_a2av_cost.json (nki_a2av_cost.py). Where a file is
+absent its tables and figures are not rendered, and --check names their markers. Needs no GPU.
 
 Each results file records its run under "run" (RUN_FIELDS, written by run_metadata(), which every
 benchmark script calls): date, commit, GPU, torch, Triton, megatron-core, Python and the command.
@@ -269,6 +270,11 @@ def host_cost_table(bench):
     return caption + "\n\n" + table(header, [cells])
 
 
+def bookkeeping_figures(bench):
+    keep = bench.get("bookkeeping", {})
+    return {f"bookkeeping-{v}": f"{b['ours_bytes'] / 1e6:.2f} MB" for v, b in keep.items()}
+
+
 def bookkeeping_table(bench):
     keep = bench.get("bookkeeping")
     if not keep:
@@ -476,6 +482,7 @@ def megatron_figures(mega):
 
 def ep_figures(ep):
     figs = {"ep-dispatch-host": span([r["host_us"]["dispatch"] / 1e3 for r in ep["results"]], 2, " ms"),
+            "ep-capacity-slack": span([r["capacity"] * r["world"] / (r["N"] * r["k"]) for r in ep["results"]], unit="x"),
             "ep-a2a-host": span([r["host_us"]["a2a"] for r in ep["results"]], 0, " us")}
     for r in ep["results"]:
         if r["shape"] == "mixtral":
@@ -509,6 +516,8 @@ def nki_cost_tables(lnc1, lnc2):
     tables = {}
     if lnc1:
         tables["nki-cost-lnc1"] = nki_cost_table(lnc1["results"])
+        mask = next(r for r in lnc1["results"] if nki_cost_key(r) == ("probs_bf16_mask", "none", "permute"))
+        tables["nki-mask-loop-iterations"] = f"{mask['device_loop_iterations']:,}"
     if lnc1 and lnc2:
         one = {nki_cost_key(r): r for r in lnc1["results"]}
         differ = [r for r in lnc2["results"] if any(r[key] != one[nki_cost_key(r)][key] for _, key in NKI_COST_COUNTS)]
@@ -517,7 +526,6 @@ def nki_cost_tables(lnc1, lnc2):
         a, b = one["probs_bf16_mask", "none", "sum_routes"], two["probs_bf16_mask", "none", "sum_routes"]
         tables["nki-lnc2-sum-routes"] = (f"sum_routes {a['instructions']:,} -> {b['instructions']:,} instructions, "
                                          f"{a['dma_bytes'] / 1e6:.0f} -> {b['dma_bytes'] / 1e6:.0f} MB")
-        tables["nki-mask-loop-iterations"] = f"{one['probs_bf16_mask', 'none', 'permute']['device_loop_iterations']:,}"
     return tables
 
 
@@ -547,7 +555,7 @@ def render_all(results=RESULTS):
                        "readme-summary": readme_table(bench),
                        "bandwidth": bandwidth_table(bench), "round-trip": round_trip_table(bench),
                        "host-cost": host_cost_table(bench), "bookkeeping": bookkeeping_table(bench),
-                       "chunk-sort": chunk_sort_table(bench)})
+                       "chunk-sort": chunk_sort_table(bench), **bookkeeping_figures(bench)})
     if quant:
         tables["quantize"] = quantize_table(quant)
     if ep:
@@ -570,8 +578,8 @@ def render_all(results=RESULTS):
     return tables
 
 
-MARKED = re.compile(r"(<!-- table:([a-z0-9-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
-FIGURE = re.compile(r"(<!-- fig:([a-z0-9-]+) -->)([^\n]*?)(<!-- /fig -->)")
+MARKED = re.compile(r"(<!-- table:([a-z0-9_-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+FIGURE = re.compile(r"(<!-- fig:([a-z0-9_-]+) -->)([^\n]*?)(<!-- /fig -->)")
 
 
 def rewrite(text, tables):
