@@ -32,6 +32,9 @@ import torch
 from . import te
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+# megatron-core as the README and the Makefile install it: without its torch requirement, which would
+# pull torch's CUDA build (its imports need only numpy and packaging).
+INSTALL = 'pip install --no-deps "megatron-core==0.16.1" numpy packaging'
 TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 # The dispatcher's chunk orders: its attributes, made in its constructor.
 DISPATCHER_ORDERS = ("sort_input_by_local_experts", "restore_output_by_local_experts")
@@ -71,10 +74,21 @@ def _orders_that_move_nothing_on_the_host(init):
     return __init__
 
 
+def _moe_utils():
+    try:
+        return importlib.import_module(MOE_UTILS)
+    except ModuleNotFoundError as missing:
+        if missing.name != "megatron" and not (missing.name or "").startswith("megatron."):
+            raise
+        raise ModuleNotFoundError(f"permgen.integrations.megatron needs megatron-core, which does not import "
+                                  f"({missing}); install it with: {INSTALL}", name=missing.name) from missing
+
+
 def enable() -> bool:
     """Make megatron-core's fused permutation run permgen. Returns True when it did, False when
-    TransformerEngine is installed (its functions stay) or permgen is already enabled."""
-    moe_utils = importlib.import_module(MOE_UTILS)
+    TransformerEngine is installed (its functions stay) or permgen is already enabled. Without
+    megatron-core, a ModuleNotFoundError gives the command that installs it."""
+    moe_utils = _moe_utils()
     if _saved or getattr(moe_utils, "HAVE_TE", False):
         return False
     names = ("HAVE_TE", "is_te_min_version", *FUNCTIONS, *UNAVAILABLE)
@@ -104,7 +118,7 @@ def disable() -> None:
     """Undo enable(): megatron-core's names as they were."""
     if not _saved:
         return
-    moe_utils = importlib.import_module(MOE_UTILS)
+    moe_utils = _moe_utils()
     for name, value in _saved.items():
         if value is _MISSING:
             moe_utils.__dict__.pop(name, None)
