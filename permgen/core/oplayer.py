@@ -32,9 +32,10 @@ family declares the backward ops' own backward) or refused; never a gradient sil
 graph. autograd.Functions of a family's own (expert parallelism's eager dispatch) wrap their
 backward in `backward_refusing_twice`.
 
-The argument-check memo: `OpFamily.checked(what, key_of, check, *args)` runs `check(*args)` once per
-key (what the checks read: shapes, dtypes, devices, contiguity, settings; `call_key`) and keeps its
-value (a plan, or that they passed) in `CHECKS`, one bounded LRU for the process.
+The argument-check memo: `OpFamily.checked(what, key_of, check, *args)` runs `check(*args)` once per key
+(what the checks read: the tensors' shapes, dtypes, devices and contiguity, the other arguments'
+values: `args_key`, or a family's own key) and keeps its value (a plan, or that they
+passed) in `CHECKS`, one bounded LRU for the process.
 """
 
 from __future__ import annotations
@@ -225,11 +226,11 @@ class CheckMemo:
 
     def __init__(self, size: int = MEMO_SIZE):
         self.size = size
-        self._kept = OrderedDict()
+        self.kept = OrderedDict()  # key -> value, the least recently used first
 
     def get(self, key):
         """The value kept under key, or None (also for an unhashable key's TypeError: raised)."""
-        kept = self._kept
+        kept = self.kept
         value = kept.get(key)
         if value is not None:
             try:
@@ -239,23 +240,30 @@ class CheckMemo:
         return value
 
     def put(self, key, value):
-        kept = self._kept
+        kept = self.kept
         kept[key] = value
         kept.move_to_end(key)
         while len(kept) > self.size:
             kept.popitem(last=False)
 
     def __len__(self):
-        return len(self._kept)
+        return len(self.kept)
 
     def __contains__(self, key):
-        return key in self._kept
+        return key in self.kept
 
     def clear(self):
-        self._kept.clear()
+        self.kept.clear()
 
 
 CHECKS = CheckMemo()  # every family's checked calls
+
+
+def args_key(*args) -> tuple:
+    """What checks of these arguments read, as a key: each tensor's shape, dtype, device and contiguity,
+    every other argument's type and value (True and 1 differ)."""
+    return tuple([(a.shape, a.dtype, a.device, a.is_contiguous()) if isinstance(a, torch.Tensor) else (type(a), a)
+                  for a in args])
 
 
 def call_key(tensors, settings) -> tuple:
@@ -340,20 +348,27 @@ class OpFamily:
 
     def checked(self, what: str, key_of, check, *args):
         """check(*args), whose value (a plan; None: the checks passed) is kept by what they read,
-        key_of(*args) (call_key), in CHECKS: a call like one already checked costs a lookup. Under
-        torch.compile the checks run as written (traced once per graph; Dynamo must not read the memo,
-        it would guard on it). A key that cannot be made (an argument of the wrong type: key_of raises
-        AttributeError or TypeError) or hashed leaves the checks to say what is wrong."""
+        key_of(*args) (a tuple: args_key, or a family's own built with call_key), in CHECKS: a call like
+        one already checked costs a lookup. Under torch.compile the checks run as written (traced once
+        per graph; Dynamo must not read the memo, it would guard on it). A key that cannot be made (an
+        argument of the wrong type: key_of raises AttributeError or TypeError) or hashed leaves the
+        checks to say what is wrong."""
         if torch.compiler.is_compiling():
             return check(*args)
+        kept = CHECKS.kept
         try:
-            key = (self.prefix, what, *key_of(*args))
-            value = CHECKS.get(key)
+            key = (self.prefix, what, key_of(*args))
+            value = kept.get(key)
         except (AttributeError, TypeError):
             return check(*args)
         if value is None:
             value = check(*args)
             CHECKS.put(key, True if value is None else value)
+            return value
+        try:
+            kept.move_to_end(key)
+        except KeyError:  # dropped meanwhile by another thread
+            pass
         return value
 
     def register(self):
