@@ -118,8 +118,9 @@ def test_every_op_is_registered_through_nki_op(name, neuron):
 
 @pytest.mark.parametrize("name", BOTH)
 def test_permute_backward_agrees_with_triton(name, request, poisoned_empty, monkeypatch):
-    """Token gradients (gather-summed: tolerance) and prob gradients (routed back: exact) of the same
-    permute on both targets, and the same outputs that carry no gradient."""
+    """Token gradients (gather-summed: exact between the CPU targets, which sum each token's routes in
+    one order; within tolerance of a GPU's) and prob gradients (routed back: exact) of the same permute
+    on both targets, and the same outputs that carry no gradient."""
     triton_mod, nki_mod = load("triton", name), load("nki", name)
     spec = nki_mod.VARIANT
     with generation_for(spec, monkeypatch):  # quantising variants: Trn3 (test_nki_kernels.py)
@@ -153,7 +154,7 @@ def backward_agrees(triton_mod, nki_mod, spec, request):
     (tokens_differentiable, want), (nki_tokens_differentiable, got) = grads["triton"], grads["nki"]
     assert tokens_differentiable == nki_tokens_differentiable and len(want) == len(got)
     if tokens_differentiable:
-        assert_sum_close(got[0], want[0], "token grads")
+        (assert_bits_equal if DEVICE.type == "cpu" else assert_sum_close)(got[0], want[0], "token grads")
     if spec["probs"]:
         assert_bits_equal(got[-1], want[-1], "prob grads")
 

@@ -14,6 +14,14 @@ Triton specialises each kernel on its pointers' dtypes, so one kernel serves eve
 import triton
 import triton.language as tl
 
+from .fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits
+
+# Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, read as Triton reads it). Its
+# fp32 -> bf16 conversion truncates and its bf16 -> fp32 one misreads subnormals, where GPUs round to
+# nearest even and read them exactly: there as_fp32 and stored_as take the GPU's values from integer
+# arithmetic; on a GPU they are the plain conversions (what it computes does not change).
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+
 # ----------------------------------------------------------------------------------------------
 # The row map (int32 words; permgen.core.results.RowMapLayout states it for the hosts), for N tokens,
 # K slots per token and E experts: dst rows [N * K]; mask routing only: experts [N * K], route
@@ -563,6 +571,22 @@ def first_route_tile(row_map_ptr, token, num_tokens, num_rows,
     return live, dst, kept, prob_offset
 
 
+@triton.jit
+def as_fp32(x):
+    """A loaded block in fp32, exactly (bf16 subnormals included)."""
+    if INTERPRETED and x.dtype == tl.bfloat16:
+        return bf16_bits_as_fp32(x.to(tl.int16, bitcast=True))
+    return x.to(tl.float32)
+
+
+@triton.jit
+def stored_as(x, dtype: tl.constexpr):
+    """fp32 x in dtype, rounded to nearest even as the GPU rounds."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        return fp32_to_bf16_bits(x).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Gathers: one program per token sums its routes' rows in fp32 (unpermute, permute backward).
 # probs_ptr None: the plain sum; Triton compiles the weighting away.
@@ -576,7 +600,7 @@ def sum_route_tile(rows_ptr, dst, kept, prob_offset, probs_ptr, out_ptr, token, 
     merging prob unless probs_ptr is None, in fp32: a token whose routes one tile holds. Under mask
     routing stored only if whole (the tile holds all of them), which only the stores wait for."""
     if probs_ptr is not None:
-        weight = tl.load(probs_ptr + prob_offset, mask=kept, other=0).to(tl.float32)
+        weight = as_fp32(tl.load(probs_ptr + prob_offset, mask=kept, other=0))
     src_row = dst.to(tl.int64)[:, None] * hidden
     out = out_ptr + token.to(tl.int64) * hidden
     if MASK:
@@ -585,10 +609,10 @@ def sum_route_tile(rows_ptr, dst, kept, prob_offset, probs_ptr, out_ptr, token, 
         stored = hidden
     for h0 in range(0, hidden, BLOCK_H):
         col = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(rows_ptr + src_row + col[None, :], mask=kept[:, None] & (col < hidden)[None, :], other=0).to(tl.float32)
+        x = as_fp32(tl.load(rows_ptr + src_row + col[None, :], mask=kept[:, None] & (col < hidden)[None, :], other=0))
         if probs_ptr is not None:
             x = x * weight[:, None]
-        tl.store(out + col, tl.sum(x, axis=0).to(out_ptr.dtype.element_ty), mask=col < stored)
+        tl.store(out + col, stored_as(tl.sum(x, axis=0), out_ptr.dtype.element_ty), mask=col < stored)
 
 
 @triton.jit
@@ -603,12 +627,12 @@ def sum_route_tiles(rows_ptr, row_map_ptr, probs_ptr, out_ptr, token, live, num_
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
         for s0 in range(0, live, ROUTES):
             dst, kept, prob_offset = route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows, K, ROUTES, E, True)
-            x = tl.load(rows_ptr + dst.to(tl.int64)[:, None] * hidden + col[None, :],
-                        mask=kept[:, None] & (col < hidden)[None, :], other=0).to(tl.float32)
+            x = as_fp32(tl.load(rows_ptr + dst.to(tl.int64)[:, None] * hidden + col[None, :],
+                                mask=kept[:, None] & (col < hidden)[None, :], other=0))
             if probs_ptr is not None:
-                x = x * tl.load(probs_ptr + prob_offset, mask=kept, other=0).to(tl.float32)[:, None]
+                x = x * as_fp32(tl.load(probs_ptr + prob_offset, mask=kept, other=0))[:, None]
             total += tl.sum(x, axis=0)
-        tl.store(out + col, total.to(out_ptr.dtype.element_ty), mask=col < hidden)
+        tl.store(out + col, stored_as(total, out_ptr.dtype.element_ty), mask=col < hidden)
 
 
 @triton.jit
@@ -691,12 +715,13 @@ def store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K: tl.con
     first (zero_prob_grads), so experts without a kept route keep that zero. Index routing: slots
     without a kept route get zero."""
     if MASK:
-        tl.store(grad_probs_ptr + prob_offset, grads.to(grad_probs_ptr.dtype.element_ty), mask=kept)
+        tl.store(grad_probs_ptr + prob_offset, stored_as(grads, grad_probs_ptr.dtype.element_ty), mask=kept)
     else:
         # Written as the slot, token * K folds away: the mask is known at compile time (slot < K
         # compared as prob_offset < (token + 1) * K costs a register spill).
         slot = prob_offset - token * K
-        tl.store(grad_probs_ptr + prob_offset, tl.where(kept, grads, 0.0).to(grad_probs_ptr.dtype.element_ty),
+        tl.store(grad_probs_ptr + prob_offset,
+                 stored_as(tl.where(kept, grads, 0.0), grad_probs_ptr.dtype.element_ty),
                  mask=slot < K)
 
 
@@ -716,7 +741,7 @@ def route_prob_grads(row_map_ptr, grad_permuted_probs_ptr, grad_probs_ptr, token
                      E_POW2: tl.constexpr, MASK: tl.constexpr):
     """The token's prob grads, given its route count and first tile (first_route_tile): each kept
     route's is its row's permuted-prob grad, the others zero."""
-    grads = tl.load(grad_permuted_probs_ptr + dst, mask=kept, other=0).to(tl.float32)
+    grads = as_fp32(tl.load(grad_permuted_probs_ptr + dst, mask=kept, other=0))
     if MASK:
         # The first tile's loads are issued before the row is zeroed: they overlap the zeroing and its
         # barrier. Only a token with more routes visits more tiles.
@@ -726,7 +751,7 @@ def route_prob_grads(row_map_ptr, grad_permuted_probs_ptr, grad_probs_ptr, token
             for s0 in range(ROUTES, live, ROUTES):
                 dst, kept, prob_offset = route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows, K, ROUTES, E,
                                                     MASK)
-                grads = tl.load(grad_permuted_probs_ptr + dst, mask=kept, other=0).to(tl.float32)
+                grads = as_fp32(tl.load(grad_permuted_probs_ptr + dst, mask=kept, other=0))
                 store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K, MASK)
     else:
         store_route_grads(grad_probs_ptr, token, prob_offset, kept, grads, K, MASK)  # one tile holds all K slots
@@ -796,20 +821,20 @@ def scatter_route_tile(grad_out_ptr, row_map_ptr, probs_ptr, permuted_ptr, grad_
     src = grad_out_ptr + token.to(tl.int64) * hidden
     dst, kept, prob_offset = route_rows(row_map_ptr, token, s0, live, num_tokens, num_rows, K, ROUTES, E, MASK)
     if probs_ptr is not None:
-        prob = tl.load(probs_ptr + prob_offset, mask=kept, other=0).to(tl.float32)
+        prob = as_fp32(tl.load(probs_ptr + prob_offset, mask=kept, other=0))
         prob_grad = tl.zeros([ROUTES], dtype=tl.float32)
     dst_row = dst.to(tl.int64)[:, None] * hidden
     for h0 in range(0, hidden, BLOCK_H):
         col = h0 + tl.arange(0, BLOCK_H)
         row_mask = kept[:, None] & (col < hidden)[None, :]
-        g = tl.load(src + col, mask=col < hidden, other=0).to(tl.float32)
+        g = as_fp32(tl.load(src + col, mask=col < hidden, other=0))
         if probs_ptr is not None:
-            x = tl.load(permuted_ptr + dst_row + col[None, :], mask=row_mask, other=0).to(tl.float32)
+            x = as_fp32(tl.load(permuted_ptr + dst_row + col[None, :], mask=row_mask, other=0))
             prob_grad += tl.sum(x * g[None, :], axis=1)
             rows = prob[:, None] * g[None, :]
         else:
             rows = tl.broadcast_to(g[None, :], (ROUTES, BLOCK_H))
-        tl.store(grad_permuted_ptr + dst_row + col[None, :], rows.to(grad_permuted_ptr.dtype.element_ty),
+        tl.store(grad_permuted_ptr + dst_row + col[None, :], stored_as(rows, grad_permuted_ptr.dtype.element_ty),
                  mask=row_mask)
     if probs_ptr is not None:
         store_route_grads(grad_probs_ptr, token, prob_offset, kept, prob_grad, K, MASK)
