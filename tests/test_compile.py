@@ -225,6 +225,7 @@ def op_samples(mod, g, num_out_tokens):
     split_sizes, sorted_idxs = torch.tensor([1, 0, 3], device=DEVICE), torch.tensor([2, 0, 1], device=DEVICE)
     table = chunk_table(split_sizes, sorted_idxs).to(DEVICE)
     samples.append(("chunk_table", (split_sizes, sorted_idxs)))
+    samples.append(("check_chunks", (split_sizes.cpu(), sorted_idxs.cpu(), 4, "sort_chunks")))
     for inverse in (False, True):
         samples.append(("sort_chunks", (tokens.clone().requires_grad_(not is_fp8(v)), table, inverse)))
         if v["probs"]:
@@ -257,6 +258,9 @@ def test_opcheck(name, request):
         torch.use_deterministic_algorithms(deterministic)
 
 
+CHUNK_SORT_OPS = ("chunk_table", "check_chunks", "sort_chunks", "sort_chunks_probs")
+
+
 def check_ops(mod, samples):
     for op, args in samples:
         utils = OPCHECK_UTILS
@@ -264,7 +268,7 @@ def check_ops(mod, samples):
             # The schema and AOT checks reduce fp8 tensors (sum, mul), which the CPU has no fp8 kernels
             # for; test_compiled_layer_matches_eager compiles these variants' permute instead.
             utils = ("test_autograd_registration", "test_faketensor")
-        owner = mod._ops.chunk_sort if op in ("chunk_table", "sort_chunks", "sort_chunks_probs") else mod._ops
+        owner = mod._ops.chunk_sort if op in CHUNK_SORT_OPS else mod._ops
         torch.library.opcheck(owner.custom_ops[op], args, test_utils=utils)
 
 
@@ -277,7 +281,7 @@ def test_every_op_is_registered_in_the_permgen_namespace():
         assert set(ops.op) == want
         # the chunk sort depends on no variant: one set of ops for the target
         assert {op: o.name() for op, o in ops.chunk_sort.op.items()} == {
-            op: f"permgen::triton_{op}" for op in ("chunk_table", "sort_chunks", "sort_chunks_probs")}
+            op: f"permgen::triton_{op}" for op in CHUNK_SORT_OPS}
         for op, overload in ops.op.items():
             assert overload.name() == f"permgen::{ops.prefix}_{op}"
             assert ops.prefix.startswith(f"triton_{name}")
