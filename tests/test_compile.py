@@ -209,8 +209,9 @@ def op_samples(mod, g, num_out_tokens):
         ("permute", (differentiable_tokens, routing, None if probs is None else probs.clone().requires_grad_(),
                      scale, rim.num_experts, rim.width, num_out_tokens, num_out_tokens is None)),
         ("unpermute", (permuted.clone().requires_grad_(), rim.row_map, None, *sizes)),
-        ("permute_backward", (rim.row_map, grad_rows, *sizes, rows)),
-        ("unpermute_backward", (rim.row_map, grad_out, *sizes, rows)),
+        # the backward ops are differentiable too (second derivatives): their own autograd is checked
+        ("permute_backward", (rim.row_map, grad_rows.clone().requires_grad_(), *sizes, rows)),
+        ("unpermute_backward", (rim.row_map, grad_out.clone().requires_grad_(), *sizes, rows)),
     ]
     if v["probs"]:
         merging = torch.rand(routing.shape, generator=g).to(DEVICE)
@@ -218,9 +219,11 @@ def op_samples(mod, g, num_out_tokens):
         samples += [
             ("unpermute", (permuted.clone().requires_grad_(), rim.row_map, merging.clone().requires_grad_(),
                            *sizes)),
-            ("permute_backward_probs", (rim.row_map, None, grad_probs, *sizes, rows, routing.shape[1],
-                                        probs.dtype)),
-            ("unpermute_backward_probs", (rim.row_map, grad_out, permuted, merging, *sizes)),
+            ("permute_backward_probs", (rim.row_map, None, grad_probs.clone().requires_grad_(), *sizes, rows,
+                                        routing.shape[1], probs.dtype)),
+            ("unpermute_backward_probs", (rim.row_map, grad_out.clone().requires_grad_(),
+                                          permuted.clone().requires_grad_(), merging.clone().requires_grad_(),
+                                          *sizes)),
         ]
     split_sizes, sorted_idxs = torch.tensor([1, 0, 3], device=DEVICE), torch.tensor([2, 0, 1], device=DEVICE)
     table = chunk_table(split_sizes, sorted_idxs).to(DEVICE)
@@ -234,7 +237,8 @@ def op_samples(mod, g, num_out_tokens):
                                                   table, inverse)))
     # fp8 rows carry no gradient: their permute backward has the probs-only form.
     if v["probs"] and not rows_are_fp8(v):
-        samples.append(("permute_backward_probs", (rim.row_map, grad_rows, grad_probs, *sizes, rows,
+        samples.append(("permute_backward_probs", (rim.row_map, grad_rows.clone().requires_grad_(),
+                                                   grad_probs.clone().requires_grad_(), *sizes, rows,
                                                    routing.shape[1], probs.dtype)))
     return samples
 
