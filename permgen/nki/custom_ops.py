@@ -4,8 +4,8 @@ On a Trainium host (torch-neuronx imports) every op of an NKI variant is defined
 `torch_neuronx.nki_op(name, mutates_args=...)` over an annotated Python function, as the Neuron
 guide "How to work with NKI kernels from torch-neuronx" (SDK 2.33) and its quickstart describe:
 the op's schema is inferred from the function's annotations, no op writes its inputs (nothing is
-declared in `mutates_args`), and `permgen.core.ops` then adds the fake implementation and
-`register_autograd` on the object `nki_op` returns, exactly as for the Triton target's
+declared in `mutates_args`), and the op layer (`permgen.core.oplayer`) then adds the fake implementation
+and `register_autograd` on the object `nki_op` returns, exactly as for the Triton target's
 `torch.library.custom_op`. Without torch-neuronx the same functions are plain
 `torch.library.custom_op`s (CPU tensors, kernels through nki.simulate or the emulator).
 

@@ -1,8 +1,8 @@
 """The NKI target's host side, written once for every variant: conversion and kernel launches.
 
 A generated NKI module hands its `@nki.jit` kernels to `NkiBackend`; `permgen.core.ops` checks arguments
-and adds autograd on top, exactly as for Triton, and defines the custom ops through
-`permgen.nki.custom_ops` (torch-neuronx's `nki_op` on a Trainium host). Neuron tensors (device
+and adds autograd on top, exactly as for Triton, and the op layer (`permgen.core.oplayer`) defines the
+custom ops through `define_op` here, `permgen.nki.custom_ops` (torch-neuronx's `nki_op` on a Trainium host). Neuron tensors (device
 "neuron", torch-neuronx) go to the kernels as they are: torch-neuronx compiles a kernel on its first
 call for the call's shapes, dtypes and non-tensor argument values and reuses it afterwards. CPU
 tensors run through `nki.simulate`: they go in as NumPy arrays (bfloat16 and fp8 as ml_dtypes
