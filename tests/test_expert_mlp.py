@@ -221,7 +221,8 @@ def test_gather_ops_pass_opcheck(request):
     torch.library.opcheck(ops["gather_gemm"], (tokens.clone().requires_grad_(), row_token, w1.clone().requires_grad_(),
                                                _segment_ends(m, case.E), m.row_map, m.num_tokens, m.width,
                                                m.num_experts), test_utils=utils)
-    torch.library.opcheck(ops["gather_rows"], (tokens, row_token), test_utils=utils)
+    torch.library.opcheck(ops["gather_rows"], (tokens.clone().requires_grad_(), row_token, m.row_map, m.num_tokens,
+                                               m.width, m.num_experts), test_utils=utils)
 
 
 @pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
@@ -540,3 +541,30 @@ def test_fp8_quantize_weights_refuses_bad_shapes(name, request):
     _, (_, _, _, w1, w2) = make_case(name, Case("odd", N=4, H=24, E=3, k=2), 16, generator_for(request))
     with pytest.raises(ValueError, match=r"H \(.*\) = 24 must be a multiple of 16"):
         quantize(w1, w2)
+
+
+@pytest.mark.parametrize("name", ["probs_bf16_index"] + FP8_VARIANTS)
+def test_expert_mlp_second_derivatives_computed_or_refused(name, request):
+    """torch.autograd.grad(..., create_graph=True) through the layer, then a second backward pass: the
+    bf16 layer's second derivatives are computed, save_memory's (the gather GEMM's backward, its rows
+    gathered again) the same as the default's; the FP8 layer's quantised GEMMs refuse them
+    ("differentiating twice"), never a gradient silently without its graph."""
+    g = generator_for(request)
+    _, (tokens, routing, probs, w1, w2) = make_case(name, Case("twice", N=9, H=32, E=3, k=2), 16, g)
+    mod = load("triton", name)
+    fp8 = mod.VARIANT["quantize"] == "rowwise"
+    names = ["tokens", "probs", "w1", "w2"]
+    for at in (0, 2, 3):  # the gradient in tokens, w1, w2 (a penalty's term), differentiated again
+        seconds = []
+        for options in ([{}] if fp8 else [{"save_memory": False}, {"save_memory": True}]):
+            leaves = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
+            y = mod.expert_mlp(leaves[0], routing, *leaves[1:], num_experts=3, **options)
+            (first,) = torch.autograd.grad((y.float() ** 2).sum(), leaves[at], create_graph=True)
+            penalty = (first.float() ** 2).sum()
+            if fp8:
+                with pytest.raises(RuntimeError, match="differentiating twice"):
+                    torch.autograd.grad(penalty, leaves)
+            else:
+                seconds.append(torch.autograd.grad(penalty, leaves))
+        for what, default, saving in zip(names, *seconds) if seconds else ():
+            close(saving, default, f"save_memory: d/d{what} of the gradient in {names[at]}")

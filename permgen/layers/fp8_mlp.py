@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..core.ops import _Registered
+from ..core.oplayer import Op, OpFamily
 from ..triton.fp8 import bf16_bits_as_fp32, fp32_to_bf16_bits, quantize_columns, quantize_rows, row_tiles
 
 
@@ -146,33 +146,32 @@ def swiglu_backward(grad, h):
     return grad_h, a
 
 
-class Fp8Ops(_Registered):
+class Fp8Ops(OpFamily):
     """One variant's FP8 expert MLP as custom ops (`permgen::<target>_<variant>_fp8_...`, defined on
-    first use): `fp8_mlp`, differentiable, between permute and unpermute; `fp8_quantize_rows` and
-    `fp8_scaled_grouped_mm`, which it and its backward pass run. gather_ops: the variant's GatherOps,
-    whose row gather the backward pass runs."""
+    first use): `fp8_mlp`, differentiable, between permute and unpermute; the quantisers, the scaled
+    GEMM and SwiGLU's backward kernel, which it and its backward pass run (their outputs refuse a
+    second derivative). gather_ops: the variant's GatherOps, whose row gather the backward pass runs."""
 
     def __init__(self, ops, gather_ops):
         super().__init__(ops.prefix)
         self.ops, self.gather_ops = ops, gather_ops
 
-    def _register(self):
+    def declare(self):
         # (the fp8 copies get their own parameter names: Inductor refuses an op with two parameters w1)
         weights = ", ".join(f"Tensor fp8_{name}" for name in Fp8ExpertWeights._fields)
-        self._define({
-            "fp8_quantize_rows": (self._quantize_rows, self._quantize_rows_fake, "(Tensor x) -> (Tensor, Tensor)"),
-            "fp8_quantize_columns": (self._quantize_columns, self._quantize_columns_fake,
-                                     "(Tensor x) -> (Tensor, Tensor)"),
-            "fp8_scaled_grouped_mm": (self._scaled_grouped_mm, self._scaled_grouped_mm_fake,
-                                      "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor offs) -> Tensor"),
-            "fp8_swiglu_backward": (self._swiglu_backward, self._swiglu_backward_fake,
-                                    "(Tensor grad, Tensor h) -> (Tensor, Tensor)"),
-            "fp8_mlp": (self._mlp, self._mlp_fake,
-                        f"(Tensor tokens, Tensor rows, Tensor row_scale, Tensor w1, Tensor w2, {weights}, Tensor offs, "
-                        "Tensor row_token, Tensor row_map, SymInt num_tokens, SymInt width, SymInt num_experts) "
-                        "-> (Tensor, Tensor)"),
-        })
-        self._autograd("fp8_mlp", self._mlp_backward, self._mlp_setup)
+        return {
+            "fp8_quantize_rows": Op(self._quantize_rows, self._quantize_rows_fake, "(Tensor x) -> (Tensor, Tensor)"),
+            "fp8_quantize_columns": Op(self._quantize_columns, self._quantize_columns_fake,
+                                       "(Tensor x) -> (Tensor, Tensor)"),
+            "fp8_scaled_grouped_mm": Op(self._scaled_grouped_mm, self._scaled_grouped_mm_fake,
+                                        "(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor offs) -> Tensor"),
+            "fp8_swiglu_backward": Op(self._swiglu_backward, self._swiglu_backward_fake,
+                                      "(Tensor grad, Tensor h) -> (Tensor, Tensor)"),
+            "fp8_mlp": Op(self._mlp, self._mlp_fake,
+                          f"(Tensor tokens, Tensor rows, Tensor row_scale, Tensor w1, Tensor w2, {weights}, Tensor offs, "
+                          "Tensor row_token, Tensor row_map, SymInt num_tokens, SymInt width, SymInt num_experts) "
+                          "-> (Tensor, Tensor)", backward=self._mlp_backward, setup=self._mlp_setup),
+        }
 
     @staticmethod
     def _quantize_rows(x):
@@ -219,8 +218,8 @@ class Fp8Ops(_Registered):
         return rows.new_empty((rows.shape[0], w2.shape[2]), dtype=torch.bfloat16), \
             rows.new_empty((rows.shape[0], w1.shape[2]), dtype=torch.bfloat16)
 
-    def _mlp_setup(self, ctx, inputs, output):
-        ctx.calls = self.op
+    @staticmethod
+    def _mlp_setup(ctx, inputs, output):
         # the tokens, the fp8 copies w1, w1_scale, w2, w2_scale (the gradients' GEMMs), offs, row_token, row_map
         tokens, fp8_w1, fp8_w1_scale, fp8_w2, fp8_w2_scale, offs, row_token, row_map = (
             inputs[i] for i in (0, 7, 8, 11, 12, 13, 14, 15))
@@ -241,7 +240,7 @@ class Fp8Ops(_Registered):
             grad_rows = calls["fp8_scaled_grouped_mm"](dh, dh_scale, fp8_w1.transpose(1, 2), fp8_w1_scale, offs)
             grad_tokens = self.ops.op["permute_backward"](row_map, grad_rows, *ctx.sizes, row_token.shape[0])
         if needs[3]:
-            x = self.gather_ops.op["gather_rows"](tokens, row_token)
+            x = self.gather_ops.op["gather_rows"](tokens, row_token, row_map, *ctx.sizes)
             grad_w1 = torch._grouped_mm(x.t(), grad_h, offs=offs)
         if needs[4]:
             grad_w2 = torch._grouped_mm(a.t(), grad_out, offs=offs)
@@ -258,7 +257,7 @@ class Fp8Ops(_Registered):
         m = row_id_map
         args = (tokens, rows, row_scale, w1, w2, *weights, offs, row_token, m.row_map, m.num_tokens, m.width,
                 m.num_experts)
-        calls = self._calls(tokens, w1, w2)
+        calls = self.calls(tokens, w1, w2)
         return (self._mlp if calls is None else calls["fp8_mlp"])(*args)
 
 

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.ops import _Registered
+from ..core.oplayer import Op, OpFamily
+from .kernels import as_fp32, stored_as
 
 
 @triton.jit
@@ -80,10 +81,10 @@ def gather_gemm_kernel(
             b = tl.load(w + k[:, None].to(tl.int64) * stride_wk, mask=(k[:, None] < K) & (cols[None, :] < N),
                         other=0.0)
             if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
+                a, b = as_fp32(a), as_fp32(b)
             acc = tl.dot(a, b, acc)
         dst = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=in_seg[:, None] & (cols[None, :] < N))
+        tl.store(dst, stored_as(acc, out_ptr.dtype.element_ty), mask=in_seg[:, None] & (cols[None, :] < N))
 
 
 # Tile shapes for the H200 (bf16, wgmma; the best of a sweep at three layer shapes:
@@ -109,25 +110,28 @@ def launch_gather_gemm(tokens, row_token, w, ends, tiles=None):
     return out
 
 
-class GatherOps(_Registered):
+class GatherOps(OpFamily):
     """One variant's gather GEMM as a custom op, `permgen::<target>_<variant>_gather_gemm` (defined on
     first use, as every permgen op), differentiable, and the row gather its backward pass runs,
-    `..._gather_rows`. The tokens' gradient is the variant's own permute backward (its op) of the
-    rows' gradient: each token's rows summed in a fixed order."""
+    `..._gather_rows`: permute's row move without the kernel's other work, differentiable as permute
+    is. The tokens' gradient of either is the variant's own permute backward (its op) of the rows'
+    gradient: each token's rows summed in a fixed order. Their backward formulas are made of
+    differentiable ops, so second derivatives are computed."""
 
     def __init__(self, ops):
         super().__init__(ops.prefix)
         self.ops = ops
 
-    def _register(self):
-        sizes = "SymInt num_tokens, SymInt width, SymInt num_experts"
-        self._define({
-            "gather_gemm": (self._gather_gemm, self._gather_gemm_fake,
-                            f"(Tensor tokens, Tensor row_token, Tensor w, Tensor ends, Tensor row_map, {sizes}) "
-                            "-> Tensor"),
-            "gather_rows": (self._gather_rows, self._gather_rows_fake, "(Tensor tokens, Tensor row_token) -> Tensor"),
-        })
-        self._autograd("gather_gemm", self._gather_gemm_backward, self._gather_gemm_setup)
+    def declare(self):
+        sizes = "Tensor row_map, SymInt num_tokens, SymInt width, SymInt num_experts"
+        return {
+            "gather_gemm": Op(self._gather_gemm, self._gather_gemm_fake,
+                              f"(Tensor tokens, Tensor row_token, Tensor w, Tensor ends, {sizes}) -> Tensor",
+                              backward=self._gather_gemm_backward, setup=self._gather_gemm_setup),
+            "gather_rows": Op(self._gather_rows, self._gather_rows_fake,
+                              f"(Tensor tokens, Tensor row_token, {sizes}) -> Tensor",
+                              backward=self._gather_rows_backward, setup=self._gather_rows_setup),
+        }
 
     @staticmethod
     def _gather_gemm(tokens, row_token, w, ends, row_map, num_tokens, width, num_experts):
@@ -137,15 +141,25 @@ class GatherOps(_Registered):
     def _gather_gemm_fake(tokens, row_token, w, ends, row_map, num_tokens, width, num_experts):
         return tokens.new_empty((row_token.shape[0], w.shape[2]))
 
-    def _gather_rows(self, tokens, row_token):
+    def _gather_rows(self, tokens, row_token, row_map, num_tokens, width, num_experts):
         return self.ops.chunk_sort.kernels.gather_rows(row_token, tokens)
 
     @staticmethod
-    def _gather_rows_fake(tokens, row_token):
+    def _gather_rows_fake(tokens, row_token, row_map, num_tokens, width, num_experts):
         return tokens.new_empty((row_token.shape[0], tokens.shape[1]))
 
-    def _gather_gemm_setup(self, ctx, inputs, output):
-        ctx.calls = self.op
+    @staticmethod
+    def _gather_rows_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+        ctx.sizes = (*inputs[3:], inputs[1].shape[0])
+
+    def _gather_rows_backward(self, ctx, grad):
+        (row_map,) = ctx.saved_tensors
+        grad_tokens = self.ops.op["permute_backward"](row_map, grad, *ctx.sizes) if ctx.needs_input_grad[0] else None
+        return grad_tokens, None, None, None, None, None
+
+    @staticmethod
+    def _gather_gemm_setup(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:5])
         ctx.sizes = inputs[5:]
 
@@ -158,12 +172,13 @@ class GatherOps(_Registered):
             grad_rows = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
             grad_tokens = self.ops.op["permute_backward"](row_map, grad_rows, *ctx.sizes, row_token.shape[0])
         if needs[2]:
-            grad_w = torch._grouped_mm(ctx.calls["gather_rows"](tokens, row_token).t(), grad, offs=offs)
+            rows = ctx.calls["gather_rows"](tokens, row_token, row_map, *ctx.sizes)
+            grad_w = torch._grouped_mm(rows.t(), grad, offs=offs)
         return grad_tokens, None, grad_w, None, None, None, None, None
 
     def gather_gemm(self, tokens, row_token, w, ends, row_id_map):
         """The op where autograd or torch.compile needs it, else the kernel alone."""
-        calls = self._calls(tokens, w)
+        calls = self.calls(tokens, w)
         if calls is None:
             return launch_gather_gemm(tokens, row_token, w, ends)
         m = row_id_map
