@@ -17,6 +17,7 @@ teardown (docs/expert_parallel.md, "Shutdown").
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -38,9 +39,8 @@ import torch
 import permgen
 from permgen.core.contract import scale_kind
 
-from cases import (PROB_GRAD_TOL, assert_bits_equal, assert_products_equal, assert_sum_close, combine_dtype,
-                   expert_ids, host_reads, is_fp8, load, make_scale, make_tokens, poison, prob_columns, routing_from_ids,
-                   stable_seed, variants_for)
+from cases import (PROB_GRAD_TOL, assert_bits_equal, assert_sum_close, combine_dtype, expert_ids, host_reads, is_fp8,
+                   load, make_scale, make_tokens, poison, prob_columns, routing_from_ids, stable_seed, variants_for)
 from reference import permute_grads_ref, permute_ref, plan_routes, unpermute_grads_ref, unpermute_ref
 
 WORLD_SIZES = (1, 2, 4)
@@ -293,9 +293,10 @@ def check_case(mod, case, world, me, run, gathered):
     assert offsets[0] >= 0 and offsets[-1] <= send_map.num_rows and bool((offsets[1:] >= offsets[:-1] + counts).all())
     assert res.handle.dropped.tolist() == [dropped[src][me] for src in range(world)], res.dropped
     # The handle (and autograd's graph through it) must not keep the process group alive past
-    # destroy_process_group: gloo's group torn down at interpreter exit instead aborted processes.
-    assert not any(isinstance(x, torch.distributed.ProcessGroup) for x in vars(res.handle).values())
-    assert isinstance(res.handle.group_ref, weakref.ref)
+    # destroy_process_group: gloo's group torn down at interpreter exit instead aborted processes
+    # (check_group_freed destroys one).
+    held = [*vars(res.handle).values(), *vars(res.handle.facts).values(), *vars(res.handle.facts.exchange).values()]
+    assert not any(isinstance(x, torch.distributed.ProcessGroup) for x in held), held
     if case.capacity is not None:
         assert sum(map(sum, dropped)) > 0, "the capacity case must overflow somewhere"
 
@@ -339,8 +340,7 @@ def check_case(mod, case, world, me, run, gathered):
     b = bounds[me]
     tail = torch.zeros((run["num_out"] - (b["end"] - b["start"]), HIDDEN), dtype=want_grad_rows.dtype)
     want_grad_expert = torch.cat([want_grad_rows[b["start"]:b["end"]], tail])
-    assert_products_equal(run["combine_grads"][0], want_grad_expert, merging is not None, "triton",
-                          "combine grad expert rows")
+    assert_bits_equal(run["combine_grads"][0], want_grad_expert, "combine grad expert rows")
     if merging is not None:
         torch.testing.assert_close(run["combine_grads"][1], want_grad_probs[mine], **PROB_GRAD_TOL)
 
@@ -461,15 +461,85 @@ def check_disagreement(mod, world, me):
             mod.dispatch(*args, **kwargs)
         if "refused" not in words:
             assert "rank 0" in str(caught.value) and "rank 1" in str(caught.value), str(caught.value)
+    # Rank 1 on another variant taking the same inputs: both ranks name the two variants.
+    sibling = load("triton", sibling_variant(v))
+    with pytest.raises(ValueError, match="variant") as caught:
+        (sibling if me == 1 else mod).dispatch(*inputs(), **kw)
+    assert f"rank 0 {v['name']}, rank 1 {sibling.VARIANT['name']}" in str(caught.value), str(caught.value)
     # A bad combine input on rank 1 only: rank 0 raises too instead of waiting for rank 1's rows.
     res = mod.dispatch(*inputs(), **kw)
     cdt = combine_dtype(v)
     rows = res.tokens.shape[0] + (1 if me == 1 else 0)
     with pytest.raises(ValueError, match="refused the input of rank\\(s\\) \\[1\\]|expert_out"):
         mod.combine(torch.zeros(rows, HIDDEN, dtype=cdt, device=EP_DEVICE), res.handle)
+    # Each rank combining the handle of another dispatch: every rank raises, whether the split sizes
+    # differ (3 tokens against 4: rank 0 would return rows rank 1 does not expect) or not (the same
+    # inputs twice), instead of exchanging rows the other rank reads at the wrong offsets.
+    again = inputs()
+    for first, second in ((res, mod.dispatch(*inputs(n=3), **kw)),
+                          (mod.dispatch(*again, **kw), mod.dispatch(*again, **kw))):
+        mine = first if me == 0 else second
+        with pytest.raises(ValueError, match="handles of different dispatches") as caught:
+            mod.combine(torch.zeros(mine.tokens.shape, dtype=cdt, device=EP_DEVICE), mine.handle)
+        assert "rank 0" in str(caught.value) and "rank 1" in str(caught.value), str(caught.value)
     # The group still works: nothing was left half-sent.
     out = mod.combine(torch.zeros(res.tokens.shape, dtype=cdt, device=EP_DEVICE), res.handle)
     assert out.shape == (4, HIDDEN)
+
+
+def check_twice(mod, group, world, me):
+    """A second derivative through dispatch or combine (a gradient penalty: torch.autograd.grad with
+    create_graph=True, then a backward pass through that gradient) raises "differentiating twice"
+    instead of using a gradient computed without its graph (the penalty's term silently lost)."""
+    v = mod.VARIANT
+    num_experts = 2 * world
+    g = torch.Generator().manual_seed(stable_seed("twice", world, v["name"], me))
+    tokens = make_tokens(v, 4, HIDDEN, g)
+    routing = routing_from_ids(v, expert_ids(4, num_experts, 2, g), num_experts)
+    probs = torch.rand(4, prob_columns(v, num_experts, 2), generator=g) if v["probs"] else None
+    tokens, routing, probs = on_device(tokens, routing, probs)
+    tokens.requires_grad_()
+    weight = torch.randn(HIDDEN, generator=g).to(EP_DEVICE).requires_grad_()
+    res = mod.dispatch(tokens, routing, probs, group=group, num_experts=num_experts)
+    grad, = torch.autograd.grad((res.tokens.float() * weight).sum(), tokens, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiating twice"):
+        torch.autograd.grad(grad.float().sum(), weight)
+    expert_out = random_rows(res.tokens.shape, combine_dtype(v), stable_seed("twice", me)).to(EP_DEVICE)
+    expert_out.requires_grad_()
+    out = mod.combine(expert_out, res.handle)
+    grad, = torch.autograd.grad((out.float() * weight).sum(), expert_out, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiating twice"):
+        torch.autograd.grad(grad.float().sum(), weight)
+
+
+def sibling_variant(v):
+    """Another Triton variant taking the same inputs as v (dtype, routing, probs and scales)."""
+    return next(n for n, w in permgen.VARIANTS.items() if n != v["name"] and "triton" in w["targets"]
+                and all(w[axis] == v[axis] for axis in ("dtype", "routing", "probs", "scale")))
+
+
+def check_group_freed(mod, world, me):
+    """destroy_process_group frees a group that dispatched and combined, its results still alive:
+    permgen keeps no strong reference to a group (a gloo group kept alive past it was torn down at
+    interpreter exit instead, which aborted the process now and then); the results' handle then
+    says its group is gone."""
+    v = mod.VARIANT
+    group = torch.distributed.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(stable_seed("group_freed", world, me))
+    num_experts = 2 * world
+    tokens = make_tokens(v, 5, HIDDEN, g)
+    routing = routing_from_ids(v, expert_ids(5, num_experts, 2, g), num_experts)
+    probs = torch.rand(5, prob_columns(v, num_experts, 2), generator=g) if v["probs"] else None
+    res = mod.dispatch(*on_device(tokens, routing, probs), group=group, num_experts=num_experts)
+    expert_out = torch.zeros(res.tokens.shape, dtype=combine_dtype(v), device=EP_DEVICE)
+    mod.combine(expert_out, res.handle)
+    freed = weakref.ref(group)
+    torch.distributed.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert freed() is None, f"the group outlived destroy_process_group, held by {gc.get_referrers(freed())}"
+    with pytest.raises(ValueError, match="destroyed"):
+        mod.combine(expert_out, res.handle)
 
 
 def check_no_host_sync(mod, group, world, me):
@@ -634,6 +704,15 @@ def run_and_check(mod, case, world, me, group):
     return error
 
 
+def record(results, key, check, *args):
+    """Run check(*args) on this rank; results[key]: None, or its error for the parent to report."""
+    try:
+        check(*args)
+        results[key] = None
+    except Exception:  # noqa: BLE001
+        results[key] = traceback.format_exc()
+
+
 def worker(me, world, outdir):
     global EP_DEVICE
     gpus = torch.cuda.device_count()
@@ -659,35 +738,18 @@ def worker(me, world, outdir):
                     continue
                 results[f"{name}-{case.name}"] = run_and_check(mod, case, world, me, group)
             if EP_DEVICE.type == "cuda":
-                key = f"{name}-no_host_sync"
-                try:
-                    check_no_host_sync(mod, group, world, me)
-                    results[key] = None
-                except Exception:  # noqa: BLE001
-                    results[key] = traceback.format_exc()
+                record(results, f"{name}-no_host_sync", check_no_host_sync, mod, group, world, me)
             if world <= max(1, torch.cuda.device_count()) and name in COMPILED:
-                key = f"{name}-compiled"
-                try:
-                    check_compiled(mod, group, world, me)
-                    results[key] = None
-                except Exception:  # noqa: BLE001
-                    results[key] = traceback.format_exc()
+                record(results, f"{name}-compiled", check_compiled, mod, group, world, me)
             if world == 2 and name in DISAGREE:
-                key = f"{name}-disagree"
-                try:
-                    check_disagreement(mod, world, me)
-                    results[key] = None
-                except Exception:  # noqa: BLE001
-                    results[key] = traceback.format_exc()
-            key = f"{name}-bad_input"
-            try:
-                check_bad_input(mod, group, world)
-                results[key] = None
-            except Exception:  # noqa: BLE001
-                results[key] = traceback.format_exc()
+                record(results, f"{name}-disagree", check_disagreement, mod, world, me)
+                record(results, f"{name}-twice", check_twice, mod, group, world, me)
+            record(results, f"{name}-bad_input", check_bad_input, mod, group, world)
             torch.distributed.barrier(group)
         mod = load("triton", plain_variant())
         torch.save(nki_comparison_run(mod, group, world, me), f"{outdir}/nki_{me}.pt")
+        if world == 2:
+            record(results, f"{mod.VARIANT['name']}-group_freed", check_group_freed, mod, world, me)
         if world == 4:
             # Two groups of two ranks each, interleaved ([0, 2] and [1, 3]): the experts are split
             # over each group's ranks in group order, and the groups run at once.
@@ -760,8 +822,9 @@ def compiled_case(world, name):
 PARAMS = [pytest.param(world, f"{name}-{case}", id=f"{world}-{name}-{case}") for world in WORLD_SIZES
           for name in variants_for("triton")
           for case in [c.name for c in cases_for(world, name)] + ["bad_input"] + GPU_ONLY + compiled_case(world, name)
-          + (["disagree"] if world == 2 and name in DISAGREE else [])]
+          + (["disagree", "twice"] if world == 2 and name in DISAGREE else [])]
 PARAMS.append(pytest.param(4, f"{plain_variant()}-subgroups", id=f"4-{plain_variant()}-subgroups"))
+PARAMS.append(pytest.param(2, f"{plain_variant()}-group_freed", id=f"2-{plain_variant()}-group_freed"))
 
 
 @pytest.mark.parametrize("world,key", PARAMS)
