@@ -395,6 +395,12 @@ def test_fp8_expert_mlp_bad_input(name, request):
         mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, save_memory=True)
     with pytest.raises(TypeError, match="fp8_weights must be what expert_mlp.quantize_weights"):
         mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, fp8_weights=(w1, w2))
+    # a call checked once keeps its checks by what they read: the same shapes of another dtype are checked again
+    weights = mod.expert_mlp.quantize_weights(w1, w2)
+    mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, fp8_weights=weights)
+    with pytest.raises(ValueError, match=r"fp8_weights.w2 must be contiguous torch.float8_e4m3fn \[4, 16, 32\]"):
+        mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4,
+                       fp8_weights=weights._replace(w2=weights.w2.view(torch.float8_e5m2)))
     stale = mod.expert_mlp.quantize_weights(w1[:, :16], w2[:, :, :16])
     with pytest.raises(ValueError, match=r"fp8_weights.w1_t must be contiguous torch.float8_e4m3fn \[4, 32, 32\]"):
         mod.expert_mlp(tokens, routing, probs, w1, w2, num_experts=4, fp8_weights=stale)

@@ -11,8 +11,8 @@ Two ways, the same function (tests/test_expert_mlp.py), chosen by the caller:
   moved); the first grouped GEMM gathers its A rows from the tokens through the row map
   (permgen.triton.gemm); the rest as above. The backward pass gathers the rows again for w1's
   gradient instead of keeping them: [M, H] less activation memory between forward and backward
-  (1.75 GiB per layer at DeepSeek-V3's shape, N=16384), for 0.6-5% more time at N=16384 (the
-  gather GEMM runs 1.08-1.16x torch._grouped_mm's time).
+  (1.75 GiB per layer at DeepSeek-V3's shape, N=16384), for a few percent more time (the gather
+  GEMM is slower than torch._grouped_mm; docs/expert_mlp.md gives the H200's figures).
 
 Either way the variant's unpermute kernels merge each expert row into its token in a fixed order,
 so the result is deterministic. The merge is not folded into the second GEMM's epilogue: a token's
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..core.contract import check_tensor
+from ..core.oplayer import call_key
 from ..triton.gemm import GatherOps
 from .fp8_mlp import Fp8ExpertWeights, Fp8Ops, swiglu
 
@@ -78,8 +79,8 @@ def _check_weights(name, w1, w2, dtype, device, row_dtype, hidden=None):
     return experts
 
 
-def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None,
-                   topk=None, save_memory=False, fp8_ops=None, fp8_weights=None):
+def _check_call(ops, fp8_ops, tokens, probs, w1, w2, num_experts, save_memory, fp8_weights):
+    """The layer's argument checks (permute checks its own); returns E."""
     name, v = ops.name, ops.variant
     check_tensor(v, "tokens", tokens, (None, None), (v.token_dtype,), None)
     if probs is not None and not v.probs:
@@ -90,11 +91,31 @@ def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_exper
         raise ValueError(f"{name}: num_experts={num_experts} but the weights hold {experts} experts")
     if not isinstance(save_memory, bool):
         raise TypeError(f"{name}: save_memory must be a bool, got {type(save_memory).__name__}")
-    if fp8_ops is None and fp8_weights is not None:
-        raise ValueError(f"{name}: fp8_weights are for the FP8 expert MLP (variants with quantize = 'rowwise')")
-    if fp8_ops is not None and save_memory:
+    if fp8_ops is None:
+        if fp8_weights is not None:
+            raise ValueError(f"{name}: fp8_weights are for the FP8 expert MLP (variants with quantize = 'rowwise')")
+        return experts
+    if save_memory:
         raise ValueError(f"{name}: save_memory=True is for bf16 variants; the FP8 expert MLP keeps no permuted rows "
                          "for the backward pass (it gathers the tokens again)")
+    if fp8_weights is not None:
+        if not isinstance(fp8_weights, Fp8ExpertWeights):
+            raise TypeError(f"{name}: fp8_weights must be what expert_mlp.quantize_weights(w1, w2) returns, got "
+                            f"{type(fp8_weights).__name__}")
+        fp8_weights.check(name, w1, w2)
+    return experts
+
+
+def _call_key(ops, fp8_ops, tokens, probs, w1, w2, num_experts, save_memory, fp8_weights):
+    """What _check_call reads: the tensors' shapes, dtypes, devices and layouts, and the settings."""
+    copies = () if fp8_weights is None else tuple(fp8_weights)
+    return call_key((tokens, w1, w2, *copies), (probs is None, num_experts, save_memory, type(fp8_weights)))
+
+
+def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_experts=None, num_out_tokens=None,
+                   topk=None, save_memory=False, fp8_ops=None, fp8_weights=None):
+    experts = gather_ops.checked("expert_mlp", _call_key, _check_call, ops, fp8_ops, tokens, probs, w1, w2,
+                                 num_experts, save_memory, fp8_weights)
     route_probs = None if probs is None else probs.detach()  # permute moves them; only unpermute's merge is differentiated
     if fp8_ops is not None:
         return _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts, num_out_tokens, topk,
@@ -117,11 +138,6 @@ def _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts,
     """permute-quantise -> FP8 MLP (permgen.layers.fp8_mlp) -> unpermute."""
     if fp8_weights is None:
         fp8_weights = fp8_ops.quantize_weights(w1, w2)
-    elif not isinstance(fp8_weights, Fp8ExpertWeights):
-        raise TypeError(f"{ops.name}: fp8_weights must be what expert_mlp.quantize_weights(w1, w2) returns, got "
-                        f"{type(fp8_weights).__name__}")
-    else:
-        fp8_weights.check(ops.name, w1, w2)
     res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
     m = res.row_id_map
     # permute's scales are [M, 1]: the [M] view is the GEMM's row scales, no copy.

@@ -19,15 +19,15 @@ arguments and runs permute and unpermute around it; the quantisers are permgen.t
 Backward: the rows' gradients (dgrad) in FP8 -- the incoming gradient quantised rowwise, times the
 weights quantised along their other dimension -- and the weights' gradients (wgrad) in bf16 with
 torch._grouped_mm, on the tokens gathered again through the row map and on swiglu(h) recomputed by
-the one kernel that also writes d swiglu / dh. bf16 wgrad: on the H200 the FP8 2-D x 2-D GEMM ran
-0.65-0.87x bf16's time at the DeepSeek-V3 and Mixtral shapes and 2.1x at Qwen3's, before the two
-column-wise quantisation passes over x and dh per expert it needs. The tokens' gradient is permute's
-backward of the rows'.
+the one kernel that also writes d swiglu / dh. bf16 wgrad: on the H200 the FP8 2-D x 2-D GEMM saved
+too little at some shapes and lost at others, before the two column-wise quantisation passes over x
+and dh per expert it needs (docs/expert_mlp.md). The tokens' gradient is permute's backward of the
+rows'.
 
-The GPU GEMMs use Hopper's fast accumulation (use_fast_accum): without it the FP8 GEMMs at the
-Qwen3 shape ran 2.0-2.7x slower than bf16's, with it 0.64-0.83x; the layer's SQNR against bf16 is
-in benchmarks/results/bench_layer.txt. On the CPU (no kernel in torch) the scaled GEMM is emulated
-from its definition: the dequantised operands' products, summed exactly (float64), stored in bf16.
+The GPU GEMMs use Hopper's fast accumulation (use_fast_accum): without it the FP8 GEMMs ran slower
+than bf16's on the H200 (docs/expert_mlp.md, with the layer's SQNR against bf16). On the CPU (no
+kernel in torch) the scaled GEMM is emulated from its definition: the dequantised operands'
+products, summed exactly (float64), stored in bf16.
 """
 
 from __future__ import annotations
