@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from cases import DEVICE, assert_bits_equal, assert_sum_close, generator_for, load, to_device, variants_for
-from reference import permute_ref
+from reference import permute_ref, quantize_ref
 
 N, H, E, K, F = 24, 64, 4, 2, 32  # tokens, hidden, experts, routes per token, expert ffn width
-FP8_MAX = 448.0  # largest float8_e4m3fn value
 
 # Spec entries with both targets: mask and index routing, all padded, two with fp8 tokens and scales.
 LAYERS = [name for name in ("probs_pad128_bf16_mask", "probs_pad16_bf16_index", "probs_pad128_fp8e4m3_block128_mask",
@@ -30,20 +29,10 @@ LAYERS = [name for name in ("probs_pad128_bf16_mask", "probs_pad16_bf16_index", 
 
 
 def quantise(x, scale_kind):
-    """x [N, H] bf16 -> (fp8 e4m3 tokens, per-block scales): block128 fp32 scales or mx32 e8m0 exponents."""
-    cols = 128 if scale_kind == "block128" else 32
-    device, x = x.device, x.float().cpu()  # quantised on the CPU: the same bits for both targets
-    num_blocks = -(-x.shape[1] // cols)
-    padded = torch.zeros(x.shape[0], num_blocks * cols)
-    padded[:, :x.shape[1]] = x
-    blocks = padded.reshape(x.shape[0], num_blocks, cols).abs().amax(-1).clamp_min(1e-12)
-    if scale_kind == "block128":
-        scale = step = blocks / FP8_MAX
-    else:
-        scale = (torch.ceil(torch.log2(blocks / FP8_MAX)) + 127).clamp(0, 254).to(torch.uint8)
-        step = torch.exp2(scale.float() - 127)
-    q = (x / step.repeat_interleave(cols, 1)[:, :x.shape[1]]).to(torch.float8_e4m3fn)
-    return q.to(device), scale.to(device)
+    """x [N, H] bf16 -> (fp8 e4m3 tokens, per-block scales) by the quantising variants' rule (quantize_ref),
+    on the CPU: the same bits for both targets."""
+    q, scale = quantize_ref(x.cpu(), scale_kind)
+    return q.to(x.device), scale.to(x.device)
 
 
 def dequantise(q, scale, scale_kind):
