@@ -128,6 +128,11 @@ class Exchange:
         dist.all_to_all_single(received, sent, group=self.group_ref())
         return payload, received
 
+    def rows_per_expert(self, kept, res):
+        """int64 [L]: each local expert's rows, kept [W, L] summed over the sources (res: permute's
+        result where it ran before the counts were read, else None)."""
+        return kept.sum(0, dtype=torch.int64)
+
     def _host_channel(self):
         channel = self._channel and self._channel()
         if channel is None:  # (held weakly too: torch's group registry keeps it until destroy_process_group)
@@ -172,15 +177,16 @@ class Exchange:
                      for j, i in enumerate(differ)]
         parts += [f"rank {r} sends rank {d} {sent[r][d]} rows, rank {d} expects {received[d][r]}" for r, d in unmatched]
         raise ValueError(f"{name}: the ranks of the group disagree on what sizes the {what}'s collectives, so no "
-                         f"rank {what}ed (rank {self.rank} raises this too): " + "; ".join(parts))
+                         f"rank {done} (rank {self.rank} raises this too): " + "; ".join(parts))
 
 
 class LocalExchange:
     """One rank: what it would send itself stays where it is. Each step of Exchange without a
     collective: rows and counts come back as they were given (rows are never written to), the
-    agreement raises this rank's own refusal, and capacity mode's per-destination cap is permute's own
-    row cap (one destination: permute keeps the first rows in expert order and drops the rest, with no
-    packing gather) where permute's rows are the send buffer (unpadded variants)."""
+    experts' rows need no sum over sources, the agreement raises this rank's own refusal, and capacity
+    mode's per-destination cap is permute's own row cap (one destination: permute keeps the first rows
+    in expert order and drops the rest, with no packing gather) where permute's rows are the send
+    buffer (unpadded variants)."""
 
     permute_caps = True
 
@@ -195,6 +201,10 @@ class LocalExchange:
     def counts(self, counts, local):
         payload = counts.view(1, -1)
         return payload, payload
+
+    def rows_per_expert(self, kept, res):
+        # One source, nothing to sum: permute's own counts where it ran first, else the route tally's.
+        return res.tokens_per_expert if res is not None else kept[0]
 
     def agree(self, name, what, refused, agreed, splits=((), ())):
         if refused is not None:

@@ -124,6 +124,7 @@ def _dropless(ops, plan, exchange, rank, tokens, routing, probs, scale, local, t
     num_experts, pad = plan.num_experts, ops.variant.pad
     world = num_experts // local
     early = not pad and (not ops.variant.mask or topk is not None)
+    res = None
     if early:
         start, end = _count_words(ops.variant.mask, plan.num_tokens, plan.width, num_experts)
         queued = {}
@@ -140,8 +141,8 @@ def _dropless(ops, plan, exchange, rank, tokens, routing, probs, scale, local, t
         payload, received = exchange.counts(counts, local)
         reading = _start_read(payload)
     kept = received[:, :local]
-    # Without a regroup, each local expert's rows: its sources' counts summed, queued before the read.
-    tokens_per_expert = None if regroup else kept.sum(0, dtype=torch.int64)
+    # Without a regroup, each local expert's rows (its sources' counts summed), queued before the read.
+    tokens_per_expert = None if regroup else exchange.rows_per_expert(kept, res)
     host = _finish_read(reading)  # the one device-to-host read
     step = local + 1
     got = host[-world * step:]  # [W, L + 1] per source: its counts of this rank's experts, its bad routes
