@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import permgen  # noqa: E402
 from permgen.triton import gemm as triton_gemm  # noqa: E402
-from permgen.layers.expert_mlp import _row_tokens, _segment_ends  # noqa: E402
+from permgen.layers.expert_mlp import row_tokens, segment_ends  # noqa: E402
 from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
 
 SHAPES = [("qwen3_moe", 16384, 2048, 128, 8, 768), ("deepseek_v3", 16384, 7168, 256, 8, 2048),
@@ -153,8 +153,8 @@ def run_shape(name, N, H, E, k, Fw, mod, fp8_mod, iters, reps):
     del ref, ours
 
     m = pre.row_id_map
-    row_token = _row_tokens(m)
-    bounds = _segment_ends(m, E)
+    row_token = row_tokens(m)
+    bounds = segment_ends(m, E)
     times = {
         "layer_fp8": timed(step(fp8_layer, leaves, grad_y), iters, reps),
         "layer_fp8_quantizing_weights": timed(step(fp8_layer_quantizing_weights, leaves, grad_y), iters, reps),
@@ -202,8 +202,8 @@ def sweep(name, N, H, E, k, Fw, mod):
     w1 = torch.randn(E, H, 2 * Fw, device="cuda", generator=g).to(torch.bfloat16)
     pre = mod.permute(x, ids, probs, num_experts=E, num_out_tokens=N * k)
     m = pre.row_id_map
-    row_token = _row_tokens(m)
-    bounds = _segment_ends(m, E)
+    row_token = row_tokens(m)
+    bounds = segment_ends(m, E)
     ends = bounds[1:]
     out = {}
     for bm, bn, bk, group, warps, stages in [(128, 256, 64, 8, 8, 3), (128, 256, 64, 1, 8, 3), (128, 256, 64, 16, 8, 3),

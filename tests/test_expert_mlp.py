@@ -207,7 +207,7 @@ def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
 
 def test_gather_ops_pass_opcheck(request):
     """The gather GEMM's custom ops: schema, fake implementations and registered autograd."""
-    from permgen.layers.expert_mlp import _row_tokens, _segment_ends
+    from permgen.layers.expert_mlp import row_tokens, segment_ends
 
     name = "probs_bf16_index"
     case = Case("opcheck", N=5, H=16, E=3, k=2)
@@ -215,11 +215,11 @@ def test_gather_ops_pass_opcheck(request):
     _, (tokens, routing, probs, w1, _) = make_case(name, case, 8, g)
     mod = load("triton", name)
     m = mod.permute(tokens, routing, probs, num_experts=case.E).row_id_map
-    row_token = _row_tokens(m)
+    row_token = row_tokens(m)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     ops = mod.expert_mlp.gather_ops.custom_ops
     torch.library.opcheck(ops["gather_gemm"], (tokens.clone().requires_grad_(), row_token, w1.clone().requires_grad_(),
-                                               _segment_ends(m, case.E), m.row_map, m.num_tokens, m.width,
+                                               segment_ends(m, case.E), m.row_map, m.num_tokens, m.width,
                                                m.num_experts), test_utils=utils)
     torch.library.opcheck(ops["gather_rows"], (tokens.clone().requires_grad_(), row_token, m.row_map, m.num_tokens,
                                                m.width, m.num_experts), test_utils=utils)
@@ -284,7 +284,7 @@ def test_fp8_mlp_rows_match_reference(name, request, poisoned_empty):
     """The FP8 experts between permute and unpermute (the op fp8_mlp) on the quantising permute's
     rows: the output rows bit for bit the definition's (exact sums of fp8 products, rounded once);
     given the rows' gradients, the tokens' and weights' gradients within the sums' tolerance."""
-    from permgen.layers.expert_mlp import _row_tokens, _segment_ends
+    from permgen.layers.expert_mlp import row_tokens, segment_ends
 
     case, width = Case("rows", N=21, H=48, E=5, k=3), 32
     g = generator_for(request)
@@ -297,8 +297,8 @@ def test_fp8_mlp_rows_match_reference(name, request, poisoned_empty):
     x_rows = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E, pad=variant["pad"])[0]
     leaves = [t.clone().requires_grad_() for t in (tokens, w1, w2)]
     out, _ = mod.expert_mlp.fp8_ops.mlp(leaves[0], res.tokens, res.scale.view(-1), leaves[1], leaves[2],
-                                        mod.expert_mlp.quantize_weights(w1, w2), _segment_ends(m, case.E)[1:],
-                                        _row_tokens(m), m)
+                                        mod.expert_mlp.quantize_weights(w1, w2), segment_ends(m, case.E)[1:],
+                                        row_tokens(m), m)
     want, backward = fp8_mlp_rows_ref(rows.cpu(), scale.cpu(), x_rows.cpu(), w1.cpu(), w2.cpu(),
                                       fp8_segments(routes, case.E))
     # On the GPU the scaled GEMMs sum with fast accumulation, and the GPU's sigmoid may round SwiGLU's

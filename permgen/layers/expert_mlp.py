@@ -30,7 +30,7 @@ from ..triton.gemm import GatherOps
 from .fp8_mlp import Fp8ExpertWeights, Fp8Ops, swiglu
 
 
-def _row_tokens(row_id_map):
+def row_tokens(row_id_map):
     """int32 [M]: the token of each row (-1 for pad rows), from the row map's routes, on the device."""
     num_rows = row_id_map.num_rows
     # row num_rows: a sink for the slots without a route
@@ -41,7 +41,7 @@ def _row_tokens(row_id_map):
     return row_token[:num_rows]
 
 
-def _segment_ends(row_id_map, experts):
+def segment_ends(row_id_map, experts):
     """int32 [E + 1]: where each expert's rows start, pad rows included (torch._grouped_mm's groups
     are contiguous), then where the last ends; capped at the rows there are."""
     return row_id_map.segment_offsets[:experts + 1].clamp(max=row_id_map.num_rows)
@@ -122,14 +122,14 @@ def run_expert_mlp(ops, gather_ops, tokens, routing, probs, w1, w2, *, num_exper
                         fp8_weights)
     if not save_memory:
         res = ops.permute(tokens, routing, route_probs, num_experts=experts, num_out_tokens=num_out_tokens, topk=topk)
-        offs = _segment_ends(res.row_id_map, experts)[1:]
+        offs = segment_ends(res.row_id_map, experts)[1:]
         out = torch._grouped_mm(swiglu(torch._grouped_mm(res.tokens, w1, offs=offs)), w2, offs=offs)
         return ops.unpermute(out, res.row_id_map, probs)
     with torch.no_grad():  # permute's routing alone: the row map, no rows moved
         res = ops.permute(tokens.new_empty((tokens.shape[0], 0)), routing, route_probs, num_experts=experts,
                           num_out_tokens=num_out_tokens, topk=topk)
-    ends = _segment_ends(res.row_id_map, experts)
-    h = gather_ops.gather_gemm(tokens.contiguous(), _row_tokens(res.row_id_map), w1, ends, res.row_id_map)
+    ends = segment_ends(res.row_id_map, experts)
+    h = gather_ops.gather_gemm(tokens.contiguous(), row_tokens(res.row_id_map), w1, ends, res.row_id_map)
     out = torch._grouped_mm(swiglu(h), w2, offs=ends[1:])
     return ops.unpermute(out, res.row_id_map, probs)
 
@@ -142,7 +142,7 @@ def _run_fp8(ops, fp8_ops, tokens, routing, route_probs, probs, w1, w2, experts,
     m = res.row_id_map
     # permute's scales are [M, 1]: the [M] view is the GEMM's row scales, no copy.
     out, _ = fp8_ops.mlp(tokens, res.tokens, res.scale.view(-1), w1, w2, fp8_weights,
-                         _segment_ends(m, experts)[1:], _row_tokens(m), m)
+                         segment_ends(m, experts)[1:], row_tokens(m), m)
     return ops.unpermute(out, m, probs)
 
 
