@@ -195,6 +195,15 @@ def to_device(device, *tensors):
     return tuple(None if t is None else t.to(device) for t in tensors)
 
 
+def resizable(t: torch.Tensor) -> bool:
+    """Whether t's storage can still grow (Tensor.numpy() marks a storage as never resizable again)."""
+    try:
+        t.detach().resize_(t.numel() + 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def random_like(shape, dtype, device, generator) -> torch.Tensor:
     """Expert outputs or incoming grads: standard normal values in `dtype`."""
     return torch.randn(shape, generator=generator).to(dtype).to(device)

@@ -14,13 +14,26 @@ Each example draws a small problem and a hostile routing for it:
 
 Checked: permute's moved data (tokens, probs, scales) bit for bit, segment sizes, every route's
 destination row, `dropped` and `row_id_map.unslotted` exactly, and unpermute's sums within SUM_TOL,
-with fresh allocations poisoned. The profile (conftest.py) derandomizes, so a failure replays.
-When a problem has room, every adversarial value of its width appears at least once. A self-test
-corrupts the reference's results in several ways and expects each to be caught.
+with fresh allocations poisoned; the NKI target leaves the caller's tensors resizable. The profile
+(conftest.py) derandomizes, so a failure replays. When a problem has room, every adversarial value of
+its width appears at least once. A self-test corrupts the reference's results in several ways and
+expects each to be caught.
+
+Then what a hostile caller does around the kernels:
+- the chunk sort by any order (the one that moves nothing often), then by new values written into
+  the same order tensor behind its version counter (.data, NumPy, DLPack, its storage): rows and
+  probs as the reference sorts them each time, in new tensors; compiled (fullgraph) it refuses and
+  accepts exactly what the eager call does, sizes and orders of any values;
+- bf16 edge values (subnormals, the largest, rounding ties, products that overflow or underflow)
+  through unpermute and its backward pass: the CPU targets (the Triton interpreter, the NKI
+  emulator) agree bit for bit, and the grad rows are the reference's;
+- any slice of a TransformerEngine row_id_map (mask, padded, index) is refused unless it is the
+  whole map; tokens_per_expert of any shape or dtype but an integer [E] is refused.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -29,10 +42,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import permgen
-from cases import (SUM_TOL, assert_bits_equal, combine_dtype, contract, device_of, load, make_scale,
-                   make_tokens, needed_rows, random_like, rows_by_column_ref, to_device, variants_for)
+from cases import (DEVICE, PROB_GRAD_TOL, SUM_TOL, assert_bits_equal, combine_dtype, contract, device_of, expert_ids,
+                   load, make_scale, make_tokens, needed_rows, random_like, resizable, routing_from_ids,
+                   rows_by_column_ref, to_device, variants_for)
 from cases import nki_generation_of_the_variant  # noqa: F401 (an autouse fixture: quantising variants on Trn3)
-from reference import permute_ref, unpermute_ref
+from reference import permute_ref, sort_chunks_ref, unpermute_grads_ref, unpermute_ref
+from test_chunk_sort import WRITES, order_written_behind_its_version
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -253,6 +268,11 @@ def check_problem(target: str, name: str, p: Problem, wrong=None):
                                msg=lambda m: f"unpermute: {m}")
     if not p.spoil_kept and (merging is None or torch.isfinite(merging[kept_at.to(device)]).all()):
         assert torch.isfinite(out).all(), "a prob without a kept route was read"
+    if target == "nki":
+        given = {"tokens": tokens, "routing": routing_d, "probs": probs, "scale": scale, "rows": permuted,
+                 "merging_probs": merging}
+        changed = [what for what, t in given.items() if t is not None and not resizable(t)]
+        assert not changed, f"no longer resizable after the call: {changed}"
     return res, routes
 
 
@@ -319,3 +339,200 @@ def test_a_wrong_reference_fails(target, wrong, poisoned_empty):
     check_problem(target, "probs_bf16_index", SELF_TEST)
     with pytest.raises(AssertionError):
         check_problem(target, "probs_bf16_index", SELF_TEST, wrong=wrong)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk sort's order, read at each call and checked under torch.compile
+# ---------------------------------------------------------------------------------------------
+
+@st.composite
+def chunk_problems(draw):
+    """Chunk sizes (empty chunks among them), an order (often the one that moves nothing), the values
+    written into the same order tensor afterwards, how they are written, and where the order lives."""
+    chunks = draw(st.integers(1, 6))
+    sizes = draw(st.lists(st.integers(0, 4), min_size=chunks, max_size=chunks))
+    orders = st.just(list(range(chunks))) | st.permutations(range(chunks))
+    how = draw(st.sampled_from(WRITES))
+    on_device = how != "numpy" and draw(st.booleans())
+    return sizes, list(draw(orders)), list(draw(orders)), how, on_device, draw(st.integers(0, 2**32 - 1))
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(problem=chunk_problems())
+def test_chunk_sort_follows_the_values_of_its_order(target, problem, poisoned_empty):
+    """Rows and probs sorted by the order's values at each call, also once new values are written into
+    its memory behind its version counter; the results in memory of their own (TE's new tensors)."""
+    sizes, first, second, how, on_device, seed = problem
+    mod = load(target, "probs_bf16_mask")
+    device = device_of(target)
+    g = torch.Generator().manual_seed(seed)
+    tokens = make_tokens(mod.VARIANT, sum(sizes), 8, g).to(device)
+    probs = torch.rand(sum(sizes), generator=g).to(device)
+    order, write = order_written_behind_its_version(how, first, device if on_device else "cpu")
+    for values in (first, second):
+        if values is second:
+            write(second)
+        out, out_probs = mod.sort_chunks(tokens, torch.tensor(sizes), order, probs)
+        assert_bits_equal(out.cpu(), sort_chunks_ref(tokens.cpu(), sizes, values), "rows")
+        assert_bits_equal(out_probs.cpu(), sort_chunks_ref(probs.cpu(), sizes, values), "probs")
+        if sum(sizes):
+            assert out.untyped_storage().data_ptr() != tokens.untyped_storage().data_ptr()
+            assert out_probs.untyped_storage().data_ptr() != probs.untyped_storage().data_ptr()
+
+
+_COMPILED_SORTS = {}
+
+
+def compiled_sort(target):
+    """The target's chunk sort under torch.compile(fullgraph=True), made once (every call has the same shapes)."""
+    if target not in _COMPILED_SORTS:
+        mod = load(target, "probs_bf16_mask")
+        _COMPILED_SORTS[target] = torch.compile(lambda t, s, o: mod.sort_chunks(t, s, o)[0], fullgraph=True,
+                                                backend="inductor" if device_of(target).type == "cuda" else "aot_eager")
+    return _COMPILED_SORTS[target]
+
+
+def _outcome(sort, *args):
+    """What a call gives: its error's type and words, or its output's bits."""
+    try:
+        return sort(*args).cpu().view(torch.int16).tolist()
+    except ValueError as error:
+        return type(error), str(error)
+
+
+SORT_ROWS = 8
+four = st.lists(st.integers(-2, 5), min_size=3, max_size=3)
+
+
+@pytest.mark.parametrize("target", ["triton", "nki"])
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(sizes=four.map(lambda s: s + [SORT_ROWS - sum(s)]) | st.lists(st.integers(-2, 5), min_size=4, max_size=4),
+       order=st.permutations(range(4)) | st.lists(st.integers(0, 3), min_size=4, max_size=4))
+def test_compiled_chunk_sort_refuses_what_eager_refuses(target, sizes, order):
+    """Sizes and orders on the CPU of any values (negative, not summing to the rows, an order that repeats
+    a chunk): the compiled sort gives the eager sort's rows or its error, word for word."""
+    mod = load(target, "probs_bf16_mask")
+    tokens = make_tokens(mod.VARIANT, SORT_ROWS, 8, torch.Generator().manual_seed(7)).to(device_of(target))
+    args = tokens, torch.tensor(sizes), torch.tensor(list(order))
+    assert _outcome(compiled_sort(target), *args) == _outcome(lambda *a: mod.sort_chunks(*a)[0], *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 edge values: the CPU targets round alike
+# ---------------------------------------------------------------------------------------------
+
+# bf16 bits: subnormals, the smallest normal, the largest, values around 1, zeros of both signs.
+EDGE_BF16 = [0x0001, 0x8001, 0x007F, 0x0080, 0x7F7F, 0xFF7F, 0x3F81, 0x3F80, 0xBF81, 0x0000, 0x8000]
+# Merging probs that make rounding ties, carries, overflow and subnormal products.
+EDGE_PROBS = [0.5, 1.5, 1 + 2**-8, 1 + 3 * 2**-9, 1 - 2**-9, 2**-126, 2**-133, 3.0]
+
+
+def _with_edges(values, edges, fraction, g):
+    """values with a fraction of its entries replaced by edge values (bf16 bits, or floats)."""
+    values = values.clone()
+    where = torch.rand(values.shape, generator=g) < fraction
+    if values.dtype == torch.bfloat16:
+        bits = torch.tensor(edges, dtype=torch.int32).to(torch.int16)
+        values.view(torch.int16)[where] = bits[torch.randint(len(edges), (int(where.sum()),), generator=g)]
+    else:
+        values[where] = _pick(edges, int(where.sum()), g, values.dtype)
+    return values
+
+
+@pytest.mark.parametrize("name", ["probs_bf16_mask", "probs_bf16_index"])
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(n=st.integers(1, 8), hidden=st.integers(1, 40), experts=st.integers(1, 5), k=st.integers(1, 3),
+       fraction=st.sampled_from([0.1, 0.5]), seed=st.integers(0, 2**32 - 1))
+def test_targets_round_bf16_alike(name, n, hidden, experts, k, fraction, seed):
+    """unpermute and its backward pass on bf16 edge values: the grad rows (one product each, rounded
+    once) are the reference's on both targets; the sums agree bit for bit between the CPU targets,
+    within SUM_TOL of a GPU's (it sums in another order); the prob grads (sums over H) within tolerance
+    where they are far from overflowing."""
+    k = min(k, experts)
+    g = torch.Generator().manual_seed(seed)
+    spec = permgen.VARIANTS[name]
+    routing = routing_from_ids(spec, expert_ids(n, experts, k, g, ragged=True), experts)
+    tokens, probs = make_tokens(spec, n, hidden, g), torch.rand(routing.shape, generator=g)
+    rows = None
+    results = {}
+    for target in ("triton", "nki"):
+        device = device_of(target)
+        res = load(target, name).permute(*to_device(device, tokens, routing, probs), num_experts=experts)
+        if rows is None:
+            rows = _with_edges(random_like(res.tokens.shape, torch.bfloat16, "cpu", g), EDGE_BF16, fraction, g)
+            merging = _with_edges(torch.rand(routing.shape, generator=g), EDGE_PROBS, fraction, g)
+            grad_out = _with_edges(random_like((n, hidden), torch.bfloat16, "cpu", g), EDGE_BF16, fraction, g)
+        leaves = [t.to(device).requires_grad_() for t in (rows, merging)]
+        out = load(target, name).unpermute(leaves[0], res.row_id_map, leaves[1])
+        results[target] = (out, *torch.autograd.grad(out, leaves, grad_out.to(device)))
+    routes = permute_ref(tokens, routing, routing_kind=spec["routing"], num_experts=experts)[-1]
+    want_rows, want_probs = unpermute_grads_ref(grad_out, rows, routes, merging)
+    (out, grad_rows, grad_probs), (nki_out, nki_grad_rows, nki_grad_probs) = results["triton"], results["nki"]
+    same_values(grad_rows, want_rows, "triton grad rows")
+    same_values(nki_grad_rows, want_rows, "nki grad rows")
+    if DEVICE.type == "cpu":
+        same_values(out, nki_out, "unpermute")
+    else:
+        torch.testing.assert_close(out.cpu(), nki_out, **SUM_TOL[torch.bfloat16], equal_nan=True)
+    moderate = want_probs.abs() < 2.0**100  # a sum near the overflow may overflow in one order, not in another
+    for got in (grad_probs, nki_grad_probs):
+        torch.testing.assert_close(got.cpu()[moderate], want_probs[moderate], **PROB_GRAD_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# TransformerEngine's API: a part of a map, tokens_per_expert
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _te_map(map_type):
+    """(rows, row_id_map) of a TE permute of 6 tokens, 3 experts, k = 2 (made once: the checks read it only)."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randn(6, 8, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = expert_ids(6, 3, 2, g).to(DEVICE)
+    mask = routing_from_ids({"routing": "mask"}, ids.cpu(), 3).to(DEVICE)
+    if map_type == "index":
+        return permgen.moe_permute(tokens, ids, map_type="index")
+    if map_type == "padded":
+        out, _, row_id_map, _, _ = permgen.moe_permute_and_pad_with_probs(
+            tokens, torch.rand(6, 3, generator=g).to(DEVICE), mask, mask.sum(0), 128)
+        return out, row_id_map
+    return permgen.moe_permute(tokens, mask)
+
+
+@settings(max_examples=3 * EXAMPLES, deadline=None)
+@given(map_type=st.sampled_from(["mask", "padded", "index"]), data=st.data())
+def test_a_part_of_a_te_map_is_refused(map_type, data):
+    """Any slice of a row_id_map (a range and a step in each dimension) is refused by moe_unpermute
+    unless it is the whole map, whose result it then gives."""
+    out, row_id_map = _te_map(map_type)
+    parts = []
+    for size in row_id_map.shape:
+        start = data.draw(st.integers(0, size - 1))
+        parts.append(slice(start, data.draw(st.integers(start + 1, size)), data.draw(st.sampled_from([1, 1, 2]))))
+    part = row_id_map[tuple(parts)]
+    te_type = "index" if map_type == "index" else "mask"
+    if part.shape == row_id_map.shape:  # all of it
+        assert_bits_equal(permgen.moe_unpermute(out, part, map_type=te_type),
+                          permgen.moe_unpermute(out, row_id_map, map_type=te_type), "the whole map")
+    else:
+        with pytest.raises(ValueError, match="moe_unpermute: "):
+            permgen.moe_unpermute(out, part, map_type=te_type)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(shape=st.sampled_from([[3], [1], [1, 3], [2], [4], [], [3, 1]]),
+       dtype=st.sampled_from([torch.int64, torch.int32, torch.float32, torch.bool]))
+def test_tokens_per_expert_is_one_integer_count_per_expert(shape, dtype):
+    """moe_permute_and_pad_with_probs takes tokens_per_expert only as an integer tensor [E]."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randn(6, 8, generator=g).to(torch.bfloat16).to(DEVICE)
+    mask = routing_from_ids({"routing": "mask"}, expert_ids(6, 3, 2, g), 3).to(DEVICE)
+    probs = torch.rand(6, 3, generator=g).to(DEVICE)
+    counts = torch.ones(shape, dtype=dtype, device=DEVICE)
+    if shape == [3] and not dtype.is_floating_point and dtype != torch.bool:
+        pad_offsets = permgen.moe_permute_and_pad_with_probs(tokens, probs, mask, counts, 128)[3]
+        assert pad_offsets.shape == (3,)
+    else:
+        with pytest.raises((TypeError, ValueError), match="moe_permute_and_pad_with_probs: tokens_per_expert must"):
+            permgen.moe_permute_and_pad_with_probs(tokens, probs, mask, counts, 128)

@@ -248,14 +248,17 @@ def test_an_order_that_moves_nothing_gives_new_tensors(target, place, request):
         assert_bits_equal(p.detach(), probs, "the caller's probs")
 
 
-def _order_written_behind_its_version(how, num_chunks, device):
-    """An order 0..C-1 and a function that writes new values into it through `how`: in place (its
-    version counter moves), or through a path that leaves the counter as it was."""
+# Ways to write into an order tensor: in place (its version counter moves), and paths that leave the
+# counter as it was.
+WRITES = ["in place", "data", "numpy", "dlpack", "storage"]
+
+
+def order_written_behind_its_version(how, values, device):
+    """An order tensor holding `values` and a function that writes new values into it through `how`."""
     if how == "numpy":
-        array = np.arange(num_chunks)
-        order = torch.from_numpy(array)
-        return order, lambda new: array.__setitem__(slice(None), new)
-    order = torch.arange(num_chunks, device=device)
+        array = np.array(values, dtype=np.int64)
+        return torch.from_numpy(array), lambda new: array.__setitem__(slice(None), new)
+    order = torch.tensor(values, device=device)
     aliases = {"in place": lambda: order,
                "data": lambda: order.data,
                "dlpack": lambda: torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(order)),
@@ -263,7 +266,7 @@ def _order_written_behind_its_version(how, num_chunks, device):
     return order, lambda new: aliases[how]().copy_(torch.tensor(new))
 
 
-@pytest.mark.parametrize("how", ["in place", "data", "numpy", "dlpack", "storage"])
+@pytest.mark.parametrize("how", WRITES)
 @pytest.mark.parametrize("place", ["cpu", "device"])
 @pytest.mark.parametrize("target", ["triton", "nki"])
 def test_an_order_rewritten_in_memory_sorts_by_its_new_values(target, place, how, request):
@@ -278,7 +281,8 @@ def test_an_order_rewritten_in_memory_sorts_by_its_new_values(target, place, how
     g = generator_for(request)
     sizes, new = [3, 0, 5, 2], [2, 0, 3, 1]
     tokens = make_tokens(mod.VARIANT, sum(sizes), 16, g).to(device)
-    order, write = _order_written_behind_its_version(how, len(sizes), device if place == "device" else "cpu")
+    order_device = device if place == "device" else "cpu"
+    order, write = order_written_behind_its_version(how, list(range(len(sizes))), order_device)
     assert_bits_equal(mod.sort_chunks(tokens, torch.tensor(sizes), order)[0], tokens, "rows in order")
     version = order._version
     write(new)

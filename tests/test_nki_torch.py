@@ -41,6 +41,7 @@ from cases import (
     make_inputs,
     needed_rows,
     random_like,
+    resizable,
     to_device,
     variants_for,
 )
@@ -333,15 +334,6 @@ def test_capacity_is_a_bounded_power_of_two():
 # The caller's tensors are the caller's
 # ---------------------------------------------------------------------------------------------
 
-def _resizable(t):
-    """Whether t's storage can still grow (Tensor.numpy() marks a storage as not resizable)."""
-    try:
-        t.detach().resize_(t.numel() + 1)
-    except RuntimeError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("name", ["probs_bf16_mask", "probs_pad32_fp8e4m3_mx32_index"])
 def test_calls_leave_the_callers_tensors_as_they_were(name, request, monkeypatch):
     """An emulated call (forward and backward, through the chunk sort too) reads the caller's tensors
@@ -364,5 +356,5 @@ def test_calls_leave_the_callers_tensors_as_they_were(name, request, monkeypatch
         callers = {"chunks": chunks, "tokens": leaves[0], "routing": leaves[1], "probs": leaves[2], "scale": leaves[3], "rows": rows,
                    "merging_probs": merging, "grad_out": grad_out, "split_sizes": split, "sorted_idxs": order}
     assert sorted_rows[0].shape == tokens.shape
-    changed = [what for what, t in callers.items() if t is not None and not _resizable(t)]
+    changed = [what for what, t in callers.items() if t is not None and not resizable(t)]
     assert not changed, f"no longer resizable after the call: {changed}"

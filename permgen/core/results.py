@@ -243,7 +243,8 @@ def te_row_id_map(row_id_map: RowIdMap, map_type: str, pad: int) -> torch.Tensor
 
 
 def _view_of(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.storage_offset()
+    """Where a view's elements lie (a dimension of one element has no stride that matters)."""
+    return t.shape, tuple(s if n > 1 else 0 for n, s in zip(t.shape, t.stride())), t.storage_offset()
 
 
 def _whole(row_id_map: torch.Tensor, words: torch.Tensor) -> bool:
