@@ -504,7 +504,8 @@ NKI_COST_COUNTS = (("instructions", "instructions"), ("indirect DMAs", "indirect
 def nki_cost_table(rows):
     """Emulator counts per variant, topk hint and kernel (nki_cost.py)."""
     return table(["variant", "topk", "kernel", *(name for name, _ in NKI_COST_COUNTS)],
-                 [[r["variant"], r["topk"], r["kernel"], *(fmt(r[key]) for _, key in NKI_COST_COUNTS)] for r in rows])
+                 [[r["variant"], r["topk"].replace("-", "–"), r["kernel"], *(fmt(r[key]) for _, key in NKI_COST_COUNTS)]
+                  for r in rows])
 
 
 def nki_cost_key(r):
