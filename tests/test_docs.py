@@ -158,12 +158,19 @@ print("\0" + json.dumps(report))
 
 
 def needs(code):
-    """Why a block cannot run here, or None."""
+    """Why a block cannot run here, or None: its first line's mark, an optional package it imports
+    that is not installed, or more GPUs than this machine has for its torchrun processes."""
     first = code.lstrip().splitlines()[0]
     if first.startswith("# gpu-only") and not CUDA:
         return "gpu-only"
     if first.startswith("# trainium-only") and not NEURON:
         return "trainium-only"
+    for package in re.findall(r"^(?:from|import) (megatron|transformer_engine)\b", code, re.M):
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed"
+    ranks = re.search(r"--nproc-per-node[ =](\d+)", first)
+    if CUDA and ranks and torch.cuda.device_count() < int(ranks.group(1)):
+        return f"{ranks.group(1)} ranks of one GPU each; this machine has {torch.cuda.device_count()}"
     return None
 
 
@@ -208,28 +215,27 @@ def block_reports(tmp_path_factory):
     return {(doc, line): (out, error) for (doc, line, _), (_, out, error) in zip(plain, report)}
 
 
-@pytest.mark.parametrize("path", DOCS_WITH_PYTHON, ids=doc_id)
-def test_python_blocks_run_as_written(path, block_reports, tmp_path):
-    ran = 0
-    for line, code in blocks(path, "python"):
-        where = f"{doc_id(path)}: the block at line {line}"
-        if needs(code):
-            continue
-        if launched_as(code):
-            name, command = launched_as(code)
-            (tmp_path / name).write_text(code)
-            argv = shlex.split(command)
-            if argv[0] == "torchrun":  # on a free port: other runs may hold torchrun's default
-                argv = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", *argv[1:]]
-            done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=block_env(), timeout=300)
-            assert done.returncode == 0, f"{where} fails as written:\n{done.stderr[-3000:]}"
-            out = done.stdout
-        else:
-            out, error = block_reports[doc_id(path), line]
-            assert error is None, f"{where} fails as written:\n{error}"
-        check_output(where, out)
-        ran += 1
-    assert ran or all(needs(code) for _, code in blocks(path, "python"))
+PYTHON_BLOCKS = [(path, line, code) for path in DOCS_WITH_PYTHON for line, code in blocks(path, "python")]
+
+
+@pytest.mark.parametrize("path, line, code", PYTHON_BLOCKS, ids=[f"{doc_id(p)}:{n}" for p, n, _ in PYTHON_BLOCKS])
+def test_python_block_runs_as_written(path, line, code, block_reports, tmp_path):
+    where = f"{doc_id(path)}: the block at line {line}"
+    if needs(code):
+        pytest.skip(f"{where}: {needs(code)}")
+    if launched_as(code):
+        name, command = launched_as(code)
+        (tmp_path / name).write_text(code)
+        argv = shlex.split(command)
+        if argv[0] == "torchrun":  # on a free port: other runs may hold torchrun's default
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", *argv[1:]]
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=block_env(), timeout=300)
+        assert done.returncode == 0, f"{where} fails as written:\n{done.stderr[-3000:]}"
+        out = done.stdout
+    else:
+        out, error = block_reports[doc_id(path), line]
+        assert error is None, f"{where} fails as written:\n{error}"
+    check_output(where, out)
 
 
 def test_blocks_marked_for_other_hardware_say_so_on_their_first_line():
