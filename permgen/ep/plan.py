@@ -98,9 +98,15 @@ def plan_dispatch(ops, plan, facts, tokens, routing, probs, scale, topk, capacit
     world = facts.world
     local, pad = plan.num_experts // world, ops.variant.pad
     regroup = regroup_needed(world, local, pad, capacity)
-    args = ops, plan, facts.exchange, facts.rank, tokens, routing, probs, scale, local, topk, check, regroup
-    mode = _dropless(*args) if capacity is None else _capacity(*args, capacity)
-    res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, dropped, tokens_per_expert = mode
+    args = ops, plan, facts.exchange, facts.rank, tokens, routing, probs, scale, local, topk, check
+    if capacity is None:
+        res, send_map, pack_rows, kept, dropped, send_splits, recv_splits, num_out, tokens_per_expert = \
+            _dropless(*args, regroup)
+    else:
+        res, send_map, pack_rows, kept, dropped = _capacity(*args, capacity)
+        send_splits = recv_splits = [capacity] * world
+        num_out = capacity_rows(world, local, pad, capacity)
+        tokens_per_expert = None if regroup else kept.sum(0, dtype=torch.int64)
     table = None  # (None: the received rows are already in (local expert, source) order)
     if regroup:
         blocks = (kept.sum(1) if capacity is None
@@ -171,23 +177,13 @@ def _dropless(ops, plan, exchange, rank, tokens, routing, probs, scale, local, t
                                   torch.ones_like(counts), sent)
         offsets = torch.cat([_exclusive_cumsum(counts, 0), counts.sum().reshape(1)])
         send_map = _send_row_map(res.row_id_map, _inverse_rows(pack_rows, permuted_rows, -1), offsets, counts, sent)
-    return (res, send_map, pack_rows, send_splits, recv_splits, kept, num_out, _no_drops(world, tokens.device),
+    return (res, send_map, pack_rows, kept, _no_drops(world, tokens.device), send_splits, recv_splits, num_out,
             tokens_per_expert)
 
 
-def _capacity(ops, plan, exchange, rank, tokens, routing, probs, scale, local, topk, check, regroup, capacity):
+def _capacity(ops, plan, exchange, rank, tokens, routing, probs, scale, local, topk, check, capacity):
     """Static sizes: every rank pair exchanges `capacity` rows; nothing is read back (unless
-    check_routing asks for it)."""
-    res, send_map, pack_rows, kept, dropped = _capacity_sends(ops, plan, exchange, rank, tokens, routing, probs, scale,
-                                                              local, topk, check, capacity)
-    world = plan.num_experts // local
-    splits = [capacity] * world
-    return (res, send_map, pack_rows, splits, splits, kept, capacity_rows(world, local, ops.variant.pad, capacity),
-            dropped, None if regroup else kept.sum(0, dtype=torch.int64))
-
-
-def _capacity_sends(ops, plan, exchange, rank, tokens, routing, probs, scale, local, topk, check, capacity):
-    """(PermuteResult, send row map, pack rows, kept [W, L], dropped) of capacity mode."""
+    check_routing asks for it). (PermuteResult, send row map, pack rows, kept [W, L], dropped)."""
     num_experts, pad = plan.num_experts, ops.variant.pad
     world = num_experts // local
     device = tokens.device

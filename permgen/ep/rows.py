@@ -41,9 +41,9 @@ def to_experts(h: EpHandle, rows, probs=None):
     """Send rows (the send buffer's layout) -> this rank's expert-major rows (dispatch's
     direction), and probs beside them (either may be None). Output rows with no source (padding,
     empty slots) are zeros."""
-    exchange = h.facts.exchange
-    got, got_probs = (None if x is None else exchange.rows(x, h.recv_splits, h.send_splits, h.num_out)
-                      for x in (rows, probs))
+    move = h.facts.exchange.rows
+    got = None if rows is None else move(rows, h.recv_splits, h.send_splits, h.num_out)
+    got_probs = None if probs is None else move(probs, h.recv_splits, h.send_splits, h.num_out)
     return (got, got_probs) if h.table is None else _sort(h, False, got, got_probs)
 
 
