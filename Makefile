@@ -86,6 +86,7 @@ bench: gpu-ready bench-megatron
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_quantize.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON_SYS) benchmarks/bench_layer.py --out benchmarks/results
+	$(PYTHON_SYS) benchmarks/tables.py   # the docs' tables and figures from the new results
 
 # Expert-parallel dispatch / combine over NCCL, one rank per GPU of the machine (world size 1 on one
 # GPU; tests/test_ep.py runs over NCCL there too).

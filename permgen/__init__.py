@@ -19,7 +19,7 @@ import re
 import sys
 
 # The oldest torch permgen supports: pyproject.toml's requirement (tests/test_package.py keeps the two equal).
-MIN_TORCH = (2, 4)
+MIN_TORCH = (2, 11)
 
 
 def _refuse_an_older_torch():

@@ -105,7 +105,7 @@ def test_min_torch_is_pyprojects():
     assert permgen.MIN_TORCH == tuple(int(part) for part in bound.split("."))
 
 
-@pytest.mark.parametrize("found", ["2.3.1+cu121", "2.4.0", "2.13.0+cpu"])
+@pytest.mark.parametrize("found", ["2.10.0+cu128", "2.11.0", "2.13.0+cpu"])
 def test_import_permgen_refuses_an_older_torch_by_name(found, tmp_path):
     """A torch older than pyproject's bound fails `import permgen` naming both versions and the fix,
     without importing torch (this stand-in cannot be imported); the bound and newer pass."""
