@@ -11,19 +11,19 @@ pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run `mak
 SYNC_FREE = ["probs_bf16_mask", "probs_bf16_index", "bf16_index", "probs_pad128_fp8e4m3_block128_mask"]
 
 
-def static_kwargs(mod, case):
+def static_call(name, case, request):
+    """(module, its permute inputs on the GPU, keyword arguments that fix every output's size)."""
+    mod = load("triton", name)
     kw = dict(num_experts=case.E, num_out_tokens=case.N * case.k + (case.E * mod.VARIANT["pad"]))
     if mod.VARIANT["routing"] == "mask":
         kw["topk"] = case.k
-    return kw
+    return mod, make_inputs(mod.VARIANT, case, "cuda", generator_for(request)), kw
 
 
 @pytest.mark.parametrize("name", SYNC_FREE)
 def test_permute_makes_no_host_sync_with_num_out_tokens(name, request):
-    mod = load("triton", name)
     case = Case("sync", N=512, H=512, E=16, k=4)
-    tokens, routing, probs, scale = make_inputs(mod.VARIANT, case, "cuda", generator_for(request))
-    kw = static_kwargs(mod, case)
+    mod, (tokens, routing, probs, scale), kw = static_call(name, case, request)
     mod.permute(tokens, routing, probs, scale, **kw)  # compile outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -37,10 +37,8 @@ def test_permute_makes_no_host_sync_with_num_out_tokens(name, request):
 
 @pytest.mark.parametrize("name", SYNC_FREE)
 def test_permute_and_unpermute_capture_in_a_cuda_graph(name, request):
-    mod = load("triton", name)
     case = Case("graph", N=300, H=384, E=12, k=3)
-    tokens, routing, probs, scale = make_inputs(mod.VARIANT, case, "cuda", generator_for(request))
-    kw = static_kwargs(mod, case)
+    mod, (tokens, routing, probs, scale), kw = static_call(name, case, request)
     permuted = torch.randn(kw["num_out_tokens"], case.H, device="cuda").to(combine_dtype(mod.VARIANT))
     eager = mod.permute(tokens, routing, probs, scale, **kw)
     eager_out = mod.unpermute(permuted, eager.row_id_map, probs)
@@ -76,10 +74,8 @@ def test_row_offsets_past_two_to_the_31_elements():
 def test_permute_repeats_exactly_on_several_streams(name, request):
     """permute keeps one launch-counter buffer per stream, which each launch leaves at zero:
     many calls, interleaved over two streams, must all give the reference result."""
-    mod = load("triton", name)
     case = Case("streams", N=3000, H=256, E=64, k=6)
-    tokens, routing, probs, scale = make_inputs(mod.VARIANT, case, "cuda", generator_for(request))
-    kw = static_kwargs(mod, case)
+    mod, (tokens, routing, probs, scale), kw = static_call(name, case, request)
     first = mod.permute(tokens, routing, probs, scale, **kw)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
