@@ -72,16 +72,53 @@ def close(got, want, what):
                                msg=lambda m: f"{what}: {m}")
 
 
+def reference_case(name, case, width, request):
+    """make_case's inputs for the test, with its generator, the num_out_tokens its cap asks for, and
+    the variant's module."""
+    g = generator_for(request)
+    variant, tensors = make_case(name, case, width, g)
+    tokens, routing = tensors[:2]
+    needed = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E,
+                         pad=variant["pad"])[0].shape[0]
+    return g, variant, tensors, num_out_tokens_for(case, needed), load("triton", name)
+
+
+def qwen3_like_inputs(seed):
+    """A Qwen3-like layer at N=2048 on the GPU (H=2048, E=128, k=8, F=768): its generator, and x,
+    ids, probs, w1, w2."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    N, H, E, k, width = 2048, 2048, 128, 8, 768
+    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
+    top, ids = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
+    ids, probs = ids.to(torch.int32), top.contiguous()
+    w1 = (torch.randn(E, H, 2 * width, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, width, H, device="cuda", generator=g) * width ** -0.5).to(torch.bfloat16)
+    return g, (x, ids, probs, w1, w2)
+
+
+def assert_compiles_like_eager(layer, inputs, g, same):
+    """layer(*inputs) under torch.compile(fullgraph=True): one graph, and its output and gradients
+    `same` as the eager call's. Returns the compiled layer and the leaves it was called on."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor" if HAS_CUDA else "aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    eager_in = [t.clone().requires_grad_() for t in inputs]
+    compiled_in = [t.clone().requires_grad_() for t in inputs]
+    want, got = layer(*eager_in), compiled(*compiled_in)
+    assert counter.frame_count == 1
+    assert same(got, want)
+    grad = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
+    for a, b in zip(torch.autograd.grad(got, compiled_in, grad), torch.autograd.grad(want, eager_in, grad)):
+        assert same(a, b)
+    return compiled, compiled_in
+
+
 @pytest.mark.parametrize("save_memory", [False, True], ids=["default", "save_memory"])
 @pytest.mark.parametrize("case, width", CASES, ids=[c.name for c, _ in CASES])
 @pytest.mark.parametrize("name", MLP_VARIANTS)
 def test_expert_mlp_matches_reference(name, case, width, save_memory, request, poisoned_empty):
-    g = generator_for(request)
-    variant, (tokens, routing, probs, w1, w2) = make_case(name, case, width, g)
-    needed = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E,
-                         pad=variant["pad"])[0].shape[0]
-    num_out_tokens = num_out_tokens_for(case, needed)
-    mod = load("triton", name)
+    g, variant, (tokens, routing, probs, w1, w2), num_out_tokens, mod = reference_case(name, case, width, request)
     ours_in = [t.clone().requires_grad_() for t in (tokens, w1, w2)]
     ref_in = [t.clone().requires_grad_() for t in (tokens, w1, w2)]
     p_ours = p_ref = None
@@ -150,13 +187,8 @@ def test_only_spec_variants_have_it():
 def test_expert_mlp_real_shape_matches_unfused_layer(save_memory):
     """Qwen3-like at N=2048 on the GPU: the same values as permute -> torch._grouped_mm -> unpermute."""
     mod = load("triton", "probs_bf16_index")
-    g = torch.Generator(device="cuda").manual_seed(3)
-    N, H, E, k, width = 2048, 2048, 128, 8, 768
-    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
-    top, ids = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
-    ids, probs = ids.to(torch.int32), top.contiguous()
-    w1 = (torch.randn(E, H, 2 * width, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, width, H, device="cuda", generator=g) * width ** -0.5).to(torch.bfloat16)
+    g, (x, ids, probs, w1, w2) = qwen3_like_inputs(3)
+    E = w1.shape[0]
     leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
     ref_leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
     y = mod.expert_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], num_experts=E, save_memory=save_memory)
@@ -176,8 +208,6 @@ def test_expert_mlp_real_shape_matches_unfused_layer(save_memory):
 def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
     """Under torch.compile(fullgraph=True) (num_out_tokens given: static shapes): one graph, and
     forward and gradients as the eager call gives them."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     torch._dynamo.reset()
     name = "probs_bf16_index"
     case = Case("compile", N=9, H=32, E=3, k=2)
@@ -189,19 +219,10 @@ def test_expert_mlp_compiles_without_graph_breaks(save_memory, request):
         return mod.expert_mlp(x, routing, p, a, b, num_experts=case.E, num_out_tokens=case.N * case.k,
                               save_memory=save_memory)
 
-    counter = CompileCounterWithBackend("inductor" if HAS_CUDA else "aot_eager")
-    compiled = torch.compile(layer, fullgraph=True, backend=counter)
-    eager_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
-    compiled_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
-    want, got = layer(*eager_in), compiled(*compiled_in)
-    assert counter.frame_count == 1
     # aot_eager runs the same kernels: the same bits. Inductor fuses SwiGLU's silu and product,
     # rounding once where eager rounds twice: the same values within the sums' tolerance.
     same = torch.equal if not HAS_CUDA else (lambda a, b: close(a, b, "compiled") is None)
-    assert same(got, want)
-    grad = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
-    for a, b in zip(torch.autograd.grad(got, compiled_in, grad), torch.autograd.grad(want, eager_in, grad)):
-        assert same(a, b)
+    assert_compiles_like_eager(layer, (tokens, probs, w1, w2), g, same)
     torch._dynamo.reset()
 
 
@@ -320,12 +341,7 @@ def test_fp8_mlp_rows_match_reference(name, request, poisoned_empty):
 def test_fp8_expert_mlp_matches_reference(name, case, width, request, poisoned_empty):
     """Forward and every gradient against tests/reference.py's FP8 layer, built from the definition
     (quantize_ref, dequantised fp32 products); a rerun gives the same bits."""
-    g = generator_for(request)
-    variant, (tokens, routing, probs, w1, w2) = make_case(name, case, width, g)
-    needed = permute_ref(tokens, routing, routing_kind=variant["routing"], num_experts=case.E,
-                         pad=variant["pad"])[0].shape[0]
-    num_out_tokens = num_out_tokens_for(case, needed)
-    mod = load("triton", name)
+    g, variant, (tokens, routing, probs, w1, w2), num_out_tokens, mod = reference_case(name, case, width, request)
     leaves = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
     y = mod.expert_mlp(leaves[0], routing, leaves[1], leaves[2], leaves[3], num_experts=case.E,
                        num_out_tokens=num_out_tokens)
@@ -414,8 +430,6 @@ def test_fp8_expert_mlp_bad_input(name, request):
 def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
     """torch.compile(fullgraph=True): one graph, and (aot_eager on the CPU: the same kernels) the same
     bits as the eager call, forward and gradients; its custom ops pass opcheck."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     torch._dynamo.reset()
     case = Case("compile", N=9, H=32, E=3, k=2)
     g = generator_for(request)
@@ -426,17 +440,8 @@ def test_fp8_expert_mlp_compiles_without_graph_breaks(name, request):
         return mod.expert_mlp(x, routing, p, a, b, num_experts=case.E, num_out_tokens=case.N * case.k + 8,
                               fp8_weights=fp8_weights)
 
-    counter = CompileCounterWithBackend("inductor" if HAS_CUDA else "aot_eager")
-    compiled = torch.compile(layer, fullgraph=True, backend=counter)
-    eager_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
-    compiled_in = [t.clone().requires_grad_() for t in (tokens, probs, w1, w2)]
-    want, got = layer(*eager_in), compiled(*compiled_in)
-    assert counter.frame_count == 1
     same = torch.equal if not HAS_CUDA else (lambda a, b: near(a, b, "compiled") is None)
-    assert same(got, want)
-    grad = torch.randn(want.shape, generator=g).to(want.dtype).to(DEVICE)
-    for a, b in zip(torch.autograd.grad(got, compiled_in, grad), torch.autograd.grad(want, eager_in, grad)):
-        assert same(a, b)
+    compiled, compiled_in = assert_compiles_like_eager(layer, (tokens, probs, w1, w2), g, same)
     # fp8_weights are checked in compiled calls too: a copy of another fp8 dtype is refused, not read as e4m3
     weights = mod.expert_mlp.quantize_weights(w1, w2)
     with pytest.raises((ValueError, RuntimeError), match=r"fp8_weights.w1_t must be contiguous torch.float8_e4m3fn"):
@@ -463,13 +468,8 @@ def test_fp8_expert_mlp_real_shape(name):
     from permgen.layers.fp8_mlp import emulated_scaled_grouped_mm, scaled_grouped_mm
 
     mod, bf16 = load("triton", name), load("triton", "probs_bf16_index")
-    g = torch.Generator(device="cuda").manual_seed(5)
-    N, H, E, k, width = 2048, 2048, 128, 8, 768
-    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
-    top, ids = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
-    ids, probs = ids.to(torch.int32), top.contiguous()
-    w1 = (torch.randn(E, H, 2 * width, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, width, H, device="cuda", generator=g) * width ** -0.5).to(torch.bfloat16)
+    g, (x, ids, probs, w1, w2) = qwen3_like_inputs(5)
+    E = w1.shape[0]
     weights = mod.expert_mlp.quantize_weights(w1, w2)
     res = mod.permute(x, ids, probs, num_experts=E)
     offs = (res.row_id_map.segment_offsets[1:E + 1]).to(torch.int32)
