@@ -581,9 +581,9 @@ def as_fp32(x):
 
 @triton.jit
 def stored_as(x, dtype: tl.constexpr):
-    """fp32 x in dtype, rounded to nearest even as the GPU rounds."""
+    """fp32 x in dtype, rounded to nearest even as the GPU rounds (every NaN the GPU's bf16 NaN, 0x7FFF)."""
     if INTERPRETED and dtype == tl.bfloat16:
-        return fp32_to_bf16_bits(x).to(tl.bfloat16, bitcast=True)
+        return tl.where(x == x, fp32_to_bf16_bits(x), 0x7FFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 
