@@ -19,8 +19,8 @@ so that moe_unpermute reads every size it needs from it, whatever arguments it i
     index maps   [N + 1, N + 2E + 3, k, 1] the row map viewed [N + 2E + 3, k, 1], broadcast over a
                                            first dimension of N + 1 (stride 0): N without
                                            merging_probs or restore_shape
-Pass it only to this module's moe_unpermute; it is never copied (.contiguous() would materialise
-the broadcast). The README's "Coming from TransformerEngine" lists what remains different.
+Pass it only to this module's moe_unpermute, whole (a slice or other part is refused, eagerly:
+te_row_id_map_sizes); it is never copied (.contiguous() would materialise the broadcast). The README's "Coming from TransformerEngine" lists what remains different.
 
 Dropped routes (past num_out_tokens, or index ids outside [-1, E)) are counted on the device, in
 the row map (`route_tallies(row_id_map)` reads them); TE's return tuples have no place for the count,
