@@ -236,6 +236,24 @@ def leaf(t):
     return t.detach().clone().requires_grad_()
 
 
+# torch.compile's backend in the tests: aot_eager on the CPU, where the kernels are interpreted.
+COMPILE_BACKEND = "inductor" if HAS_CUDA else "aot_eager"
+
+
+def compiled_if(mode, fn, **options):
+    """fn under torch.compile(fullgraph=True, **options) when mode is "compiled", else fn itself."""
+    return torch.compile(fn, fullgraph=True, backend=COMPILE_BACKEND, **options) if mode == "compiled" else fn
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from a clean torch._dynamo (no graphs or recompile counts of the tests before).
+    Autouse in every module that imports it."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def assert_close(got, want, what, tol=None):
     assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
     torch.testing.assert_close(got.cpu(), want.cpu(), **(tol or SUM_TOL[want.dtype]), msg=lambda m: f"{what}: {m}")
@@ -407,6 +425,22 @@ def check_roundtrip(mod, target, tokens, routing, probs, scale, *, num_experts, 
     assert_permute_matches(mod, res, ref, routing)
     out, unpermute_grads = check_unpermute(mod, target, res, ref[-1], routing.shape, generator, merge=merge)
     return res, (out, *permute_grads, *unpermute_grads)
+
+
+def check_padded_with_probs(outputs, leaves, tokens, probs, mask, align, generator):
+    """outputs: (out, permuted_probs, unpermuted) of TE's moe_permute_and_pad_with_probs(tokens, probs,
+    mask, ..., align) and moe_unpermute(out * 2, ..., pad_offsets=...), called on leaves (copies of
+    tokens and probs), against the reference: rows and probs bit for bit (pad rows are zeros), the
+    merged sums within tolerance, then every gradient."""
+    inp_r, p_r = leaf(tokens), leaf(probs)
+    ref_out, ref_probs, _, _, routes = permute_ref(inp_r, mask, routing_kind="mask", num_experts=mask.shape[1],
+                                                   probs=p_r, pad=align)
+    ref_unpermuted = unpermute_ref(ref_out * 2, routes, tokens.shape[0], p_r)
+    out, permuted_probs, unpermuted = outputs
+    assert_bits_equal(out, ref_out, "output (pad rows are zeros)")
+    assert_bits_equal(permuted_probs, ref_probs, "permuted_probs")
+    assert_close(unpermuted, ref_unpermuted, "unpermuted")
+    check_grads(outputs, (ref_out, ref_probs, ref_unpermuted), leaves, (inp_r, p_r), generator)
 
 
 def poison(t):

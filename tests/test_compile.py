@@ -15,6 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import permgen
 from permgen.core.ops import chunk_table
 from cases import (
+    COMPILE_BACKEND,
     DEVICE,
     HAS_CUDA,
     Case,
@@ -28,9 +29,9 @@ from cases import (
     random_like,
     variants_for,
 )
+from cases import fresh_dynamo  # noqa: F401 (an autouse fixture: each test compiles from a clean dynamo)
 
 TRITON_VARIANTS = variants_for("triton")
-BACKEND = "inductor" if HAS_CUDA else "aot_eager"
 CASE = Case("compile", N=9, H=32, E=3, k=2)
 OPCHECK_CASE = Case("opcheck", N=4, H=16, E=2, k=2)
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -48,13 +49,6 @@ def _opcheck_variants():
 
 
 OPCHECK_VARIANTS = _opcheck_variants()
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def layer(mod, num_out_tokens):
@@ -103,7 +97,7 @@ def test_compiled_layer_matches_eager(name, cap, request):
     eager_in, compiled_in = leaves(mod, request)
     num_out_tokens = needed_rows(mod.VARIANT, eager_in[1], CASE.E) if cap == "static" else None
     run = layer(mod, num_out_tokens)
-    counter = CompileCounterWithBackend(BACKEND)
+    counter = CompileCounterWithBackend(COMPILE_BACKEND)
     compiled = torch.compile(run, fullgraph=True, backend=counter)
 
     results = []
@@ -134,7 +128,7 @@ def test_new_token_counts_do_not_recompile(request):
     """dynamic=True: a second and third token count reuse the first graph."""
     mod = load("triton", "probs_bf16_index")
     v = mod.VARIANT
-    counter = CompileCounterWithBackend(BACKEND)
+    counter = CompileCounterWithBackend(COMPILE_BACKEND)
 
     @torch.compile(fullgraph=True, dynamic=True, backend=counter)
     def run(tokens, routing, probs, num_out_tokens):
@@ -176,7 +170,7 @@ def test_routing_errors_are_raised_inside_the_compiled_op(request):
     tokens, routing, probs, _ = make_inputs(mod.VARIANT, CASE, DEVICE, g)
     routing[0, 0] = CASE.E  # an expert that does not exist
 
-    @torch.compile(fullgraph=True, backend=BACKEND)
+    @torch.compile(fullgraph=True, backend=COMPILE_BACKEND)
     def run(tokens, routing, probs):
         return mod.permute(tokens, routing, probs, num_experts=CASE.E).tokens
 

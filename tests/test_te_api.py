@@ -14,30 +14,19 @@ import pytest
 import torch
 
 import permgen
-from cases import (DEVICE, HAS_CUDA, assert_bits_equal, assert_close, assert_fails_a_device_assertion, check_grads,
-                   expert_ids, generator_for, leaf, routing_from_ids)
+from cases import (DEVICE, assert_bits_equal, assert_close, assert_fails_a_device_assertion, check_grads,
+                   check_padded_with_probs, compiled_if, expert_ids, generator_for, leaf, routing_from_ids)
+from cases import fresh_dynamo  # noqa: F401 (an autouse fixture: each test compiles from a clean dynamo)
 from reference import permute_ref, sort_chunks_ref, unpermute_ref
 
-BACKEND = "inductor" if HAS_CUDA else "aot_eager"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ["eager", "compiled"]
 N, H, E, K = 13, 24, 5, 2
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def generated(dtype, routing, probs, pad=0):
     return any(v["dtype"] == dtype and v["routing"] == routing and v["probs"] == probs and v["pad"] == pad
                and v["scale"] == "none" and "triton" in v["targets"] for v in permgen.VARIANTS.values())
-
-
-def compiled_if(mode, fn):
-    return torch.compile(fn, fullgraph=True, backend=BACKEND) if mode == "compiled" else fn
 
 
 def inputs(g, dtype, n=N, columns=E):
@@ -187,14 +176,7 @@ def test_permute_and_pad_with_merging_probs(dtype, align, mode, request):
     assert padded.dtype == torch.int64 and torch.equal(padded.cpu(), want_padded.cpu())
     pad_rows = want_padded - tokens_per_expert
     assert torch.equal(pad_offsets.cpu(), (torch.cumsum(pad_rows, 0) - pad_rows).cpu())
-    inp_r, p_r = leaf(tokens), leaf(probs)
-    ref_out, ref_probs, _, _, routes = permute_ref(inp_r, mask, routing_kind="mask", num_experts=experts, probs=p_r,
-                                                   pad=align)
-    ref_unpermuted = unpermute_ref(ref_out * 2, routes, n, p_r)
-    assert_bits_equal(out, ref_out, "output (pad rows are zeros)")
-    assert_bits_equal(permuted_probs, ref_probs, "permuted_probs")
-    assert_close(unpermuted, ref_unpermuted, "unpermuted")
-    check_grads((out, permuted_probs, unpermuted), (ref_out, ref_probs, ref_unpermuted), (inp, p), (inp_r, p_r), g)
+    check_padded_with_probs((out, permuted_probs, unpermuted), (inp, p), tokens, probs, mask, align, g)
 
 
 @pytest.mark.parametrize("bad", ["[1]", "[1, E]", "[E - 1]", "float", "bool", "int"])

@@ -27,12 +27,12 @@ import pytest
 import torch
 
 import permgen
-from cases import (DEVICE, HAS_CUDA, assert_bits_equal, assert_close, assert_fails_a_device_assertion, check_grads,
-                   expert_ids, generator_for, leaf, load, routing_from_ids)
+from cases import (DEVICE, assert_bits_equal, assert_close, assert_fails_a_device_assertion, check_grads,
+                   check_padded_with_probs, compiled_if, expert_ids, generator_for, leaf, load, routing_from_ids)
+from cases import fresh_dynamo  # noqa: F401 (an autouse fixture: each test compiles from a clean dynamo)
 from reference import permute_ref, unpermute_ref
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKEND = "inductor" if HAS_CUDA else "aot_eager"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 H = 16
 # The spec edit: what the calls below need on top of the default spec (Triton only: TE's functions run there).
@@ -72,17 +72,6 @@ def te(tmp_path_factory):
     finally:
         registry.GENERATED = default
         importlib.reload(importlib.import_module("permgen.integrations.te"))
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def compiled_if(mode, fn):
-    return torch.compile(fn, fullgraph=True, backend=BACKEND, dynamic=False) if mode == "compiled" else fn
 
 
 @dataclass(frozen=True)
@@ -145,7 +134,7 @@ def test_te_call(te, call, mode, request):
         return out, merged, te.moe_unpermute(out, row_id_map), permuted_probs
 
     inp, p = leaf(tokens), leaf(probs)
-    ours = compiled_if(mode, layer)(inp, p)
+    ours = compiled_if(mode, layer, dynamic=False)(inp, p)
 
     # TE's row counts: index maps N * k for num_out_tokens <= 0; mask maps every route for -1.
     cap = (asked if asked > 0 else call.N * call.k) if call.map_type == "index" else (None if asked < 0 else asked)
@@ -186,15 +175,7 @@ def test_pad_offsets_with_several_padded_variants(te, mode, request):
         return out, permuted_probs, te.moe_unpermute(out * 2, row_id_map, p, inp.shape, pad_offsets=pad_offsets)
 
     inp, p = leaf(tokens), leaf(probs)
-    out, permuted_probs, unpermuted = compiled_if(mode, layer)(inp, p)
-    inp_r, p_r = leaf(tokens), leaf(probs)
-    ref_out, ref_probs, _, _, routes = permute_ref(inp_r, mask, routing_kind="mask", num_experts=experts, probs=p_r,
-                                                   pad=align)
-    ref = unpermute_ref(ref_out * 2, routes, n, p_r)
-    assert_bits_equal(out, ref_out, "output (pad rows are zeros)")
-    assert_bits_equal(permuted_probs, ref_probs, "permuted_probs")
-    assert_close(unpermuted, ref, "unpermuted")
-    check_grads((out, permuted_probs, unpermuted), (ref_out, ref_probs, ref), (inp, p), (inp_r, p_r), g)
+    check_padded_with_probs(compiled_if(mode, layer, dynamic=False)(inp, p), (inp, p), tokens, probs, mask, align, g)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
