@@ -28,12 +28,32 @@ def run(body, *arrays):
     return jit(body)(*arrays)
 
 
-def copy_through_sbuf(a):
-    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
-    tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=a)
+def in_sbuf(src, dtype=None, copy=nisa.dma_copy):
+    """A new SBUF tile of src's shape (and dtype, unless given) that copy (a DMA, or an engine's
+    tensor_copy) fills from src."""
+    tile = nl.ndarray(src.shape, dtype=dtype or src.dtype, buffer=nl.sbuf)
+    copy(dst=tile, src=src)
+    return tile
+
+
+def to_output(tile):
+    """A kernel output: a new shared_hbm tensor that tile is DMA'd into."""
+    out = nl.ndarray(tile.shape, dtype=tile.dtype, buffer=nl.shared_hbm)
     nisa.dma_copy(dst=out, src=tile)
     return out
+
+
+def copy_through_sbuf(a):
+    return to_output(in_sbuf(a))
+
+
+def indexed_rows(src, idx, indirect_dim=0, **dma_options):
+    """A new SBUF tile of the two 4-element rows of src that idx (an int32 [2, 1] tile) indexes: a DMA
+    through the indirect access pattern [[4, 2], [1, 4]]."""
+    tile = nl.ndarray((2, 4), dtype=src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=src.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=indirect_dim),
+                  **dma_options)
+    return tile
 
 
 def test_round_trip_and_simulate_signature():
@@ -159,9 +179,7 @@ def test_unwritten_integer_memory_is_poison_not_zero():
 def test_never_written_index_tile_is_rejected():
     def body(a):
         idx = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
-        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=0),
-                      oob_mode=nisa.oob_mode.skip)
+        indexed_rows(a, idx, oob_mode=nisa.oob_mode.skip)
         return copy_through_sbuf(a)
     with pytest.raises(EmulatorError, match="never-written"):
         run(body, np.zeros((3, 4), np.float32))
@@ -180,8 +198,7 @@ def test_nan_to_integer_conversion_is_an_error():
 # --- DMA -------------------------------------------------------------------------------------
 def gather_rows(a, idx, mode):
     out = nl.ndarray((idx.shape[0], a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
-    idx_tile = nl.ndarray(idx.shape, dtype=idx.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=idx_tile, src=idx)
+    idx_tile = in_sbuf(idx)
     rows = nl.ndarray((idx.shape[0], a.shape[1]), dtype=a.dtype, buffer=nl.sbuf)
     nisa.memset(rows, value=0.0)
     nisa.dma_copy(dst=rows, src=a.ap([[a.shape[1], idx.shape[0]], [1, a.shape[1]]], offset=0, vector_offset=idx_tile,
@@ -220,20 +237,15 @@ def test_dma_converts_and_needs_equal_element_counts():
     """nki.isa.dma_copy: a cast happens when the dtypes differ; the two sides need equal element
     counts, not equal shapes (a direct copy moves elements in row-major order)."""
     def converts(a):
-        tile = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=a)
-        out = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=tile)
-        return out
+        tile = in_sbuf(a, nl.bfloat16)
+        return to_output(tile)
     a = np.array([[1.00390625, 2.5]], np.float32)
     np.testing.assert_array_equal(run(converts, a), a.astype(ml_dtypes.bfloat16))
 
     def reshapes(a, rows):
         tile = nl.ndarray((rows, 1), dtype=a.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=a)
-        out = nl.ndarray((rows, 1), dtype=a.dtype, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=tile)
-        return out
+        return to_output(tile)
     a = np.arange(4, dtype=np.float32).reshape(2, 2)
     np.testing.assert_array_equal(run(lambda a: reshapes(a, 4), a)[:, 0], [0, 1, 2, 3])
     with pytest.raises(EmulatorError, match="element counts differ"):
@@ -245,13 +257,7 @@ def test_indirect_rows_move_by_the_tensor_row_stride():
     by the pattern's step: indices [1, 2] on an [R, 8] tensor read elements 8.. and 16.., as on the
     hardware (the emulator used to read 4.. and 8..)."""
     def body(a, idx):
-        where = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=where, src=idx)
-        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=where, indirect_dim=0))
-        out = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=tile)
-        return out
+        return to_output(indexed_rows(a, in_sbuf(idx)))
     a = np.arange(24, dtype=np.float32).reshape(3, 8)
     np.testing.assert_array_equal(run(body, a, np.array([[1], [2]], np.int32)), a[1:3, 0:4])
 
@@ -260,9 +266,7 @@ def test_view_zeroes_fp8_through_integers():
     def body(a):
         tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
         nisa.memset(tile.view(nl.uint8), value=0)
-        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=tile)
-        return out
+        return to_output(tile)
     got = run(body, np.ones((2, 3), ml_dtypes.float8_e5m2))
     assert got.dtype == np.dtype(ml_dtypes.float8_e5m2) and not got.view(np.uint8).any()
     with pytest.raises(EmulatorError, match="does not split"):
@@ -271,8 +275,7 @@ def test_view_zeroes_fp8_through_integers():
 
 def test_vector_offset_rules():
     def body(a, idx):
-        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=0))
+        indexed_rows(a, idx)
         return copy_through_sbuf(a)
     with pytest.raises(EmulatorError, match="vector_offset must be an SBUF tile"):
         run(body, np.zeros((3, 4), np.float32), np.zeros((2, 1), np.int32))
@@ -283,8 +286,7 @@ def test_vector_offset_rules():
         nisa.memset(idx, value=0)
         rows = nl.ndarray((3, 4), dtype=a.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=rows, src=a)
-        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=rows.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=0))
+        indexed_rows(rows, idx)
         return copy_through_sbuf(a)
     with pytest.raises(EmulatorError, match="vector_offset indexes HBM tensors only"):
         run(indexes_sbuf, np.zeros((3, 4), np.float32))
@@ -300,8 +302,7 @@ def test_slices_stay_in_bounds():
 
 def test_outputs_must_be_shared_hbm():
     def body(a):
-        tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=a)
+        tile = in_sbuf(a)
         return tile
     with pytest.raises(EmulatorError, match="shared_hbm"):
         run(body, np.zeros((2, 2), np.float32))
@@ -310,8 +311,7 @@ def test_outputs_must_be_shared_hbm():
 # --- compute engines ----------------------------------------------------------------------------
 def test_engines_cannot_read_hbm():
     def body(a):
-        tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=tile, src=a)
+        tile = in_sbuf(a, copy=nisa.tensor_copy)
         return copy_through_sbuf(a)
     with pytest.raises(EmulatorError, match="compute engines cannot read HBM"):
         run(body, np.zeros((2, 2), np.float32))
@@ -325,11 +325,8 @@ def test_matmul_layout_and_dtype_rules():
         nisa.dma_copy(dst=sb, src=b)
         out_tile = nl.ndarray(dst_shape or (a.shape[1], b.shape[1]), dtype=psum_dtype, buffer=nl.psum)
         nisa.nc_matmul(dst=out_tile, stationary=sa, moving=sb)
-        result = nl.ndarray(out_tile.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=result, src=out_tile)
-        out = nl.ndarray(out_tile.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=result)
-        return out
+        result = in_sbuf(out_tile, nl.float32, copy=nisa.tensor_copy)
+        return to_output(result)
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((5, 3)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
     np.testing.assert_allclose(run(body, a, b), a.T @ b, rtol=1e-5)
@@ -413,11 +410,7 @@ def test_vector_offset_indexes_dimension_0_through_software_dge():
     def gather(a, dim=0, mode=nisa.dge_mode.unknown):
         idx = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.iota(idx, pattern=[[0, 1]], offset=0, channel_multiplier=2)
-        tile = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=a.ap([[4, 2], [1, 4]], offset=0, vector_offset=idx, indirect_dim=dim), dge_mode=mode)
-        out = nl.ndarray((2, 4), dtype=a.dtype, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=tile)
-        return out
+        return to_output(indexed_rows(a, idx, indirect_dim=dim, dge_mode=mode))
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     for mode in (nisa.dge_mode.unknown, nisa.dge_mode.swdge):
         np.testing.assert_array_equal(run(lambda a: gather(a, mode=mode), a), a[[0, 2]])
@@ -442,9 +435,7 @@ def test_int32_tensor_tensor_is_exact_on_gpsimd():
         else:
             nisa.dma_copy(dst=y, src=b)
         nisa.tensor_tensor(dst=x, data1=x, data2=y, op=nl.add, engine=engine)
-        out = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=x)
-        return out
+        return to_output(x)
     a, b = np.array([[(1 << 24) + 1]], np.int32), np.array([[2]], np.int32)
     assert run(add, a, b)[0, 0] == (1 << 24) + 3
     assert run(lambda a, b: add(a, b, engine=nisa.engine.gpsimd), a, b)[0, 0] == (1 << 24) + 3
@@ -462,20 +453,11 @@ def test_conversions_go_through_fp32():
     """nki.isa.dma_copy: a conversion is "first casting from src.dtype to float32, then from float32 to
     dst.dtype"; nki.isa.tensor_copy: bit-accurate for equal dtypes, an "intermediate FP32 cast" otherwise."""
     def copies(a):
-        by_dma = nl.ndarray(a.shape, dtype=nl.uint32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=by_dma, src=a)
-        same = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=same, src=a)
-        by_engine = nl.ndarray(a.shape, dtype=nl.uint32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=by_engine, src=same)
-        exact = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=exact, src=same)
-        outs = []
-        for tile in (by_dma, by_engine, exact):
-            out = nl.ndarray(a.shape, dtype=tile.dtype, buffer=nl.shared_hbm)
-            nisa.dma_copy(dst=out, src=tile)
-            outs.append(out)
-        return tuple(outs)
+        by_dma = in_sbuf(a, nl.uint32)
+        same = in_sbuf(a, nl.int32)
+        by_engine = in_sbuf(same, nl.uint32, copy=nisa.tensor_copy)
+        exact = in_sbuf(same, nl.int32, copy=nisa.tensor_copy)
+        return tuple(to_output(tile) for tile in (by_dma, by_engine, exact))
     a = np.array([[(1 << 24) + 1, 7]], np.int32)
     by_dma, by_engine, exact = run(copies, a)
     assert by_dma.tolist() == by_engine.tolist() == [[1 << 24, 7]] and exact.tolist() == a.tolist()
@@ -486,13 +468,9 @@ def test_float8_e4m3fn_needs_neuroncore_v4():
     operand targeting Trn1 or Trn2": no float8_e4m3fn tensor exists there, computed or only moved (its bytes move
     as uint8); Trainium2's fp8 is float8_e4m3. On Trainium3 both are there."""
     def quantize(a, dtype):
-        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=a)
-        q = nl.ndarray(a.shape, dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=q, src=t)
-        out = nl.ndarray(a.shape, dtype=dtype, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=q)
-        return out
+        t = in_sbuf(a, nl.float32)
+        q = in_sbuf(t, dtype, copy=nisa.tensor_copy)
+        return to_output(q)
     a = np.array([[1.5, -3.0]], np.float32)
     assert run(lambda a: quantize(a, nl.float8_e4m3), a).astype(np.float32).tolist() == a.tolist()
     with pytest.raises(EmulatorError, match="F8E4M3FN is not supported on TRN1/TRN2"):
@@ -523,13 +501,10 @@ def test_dma_moves_between_sbuf_and_hbm_only():
     Engine cannot access PSUM."""
     def through(buffer, engine=nisa.engine.unknown):
         def body(a):
-            staged = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=staged, src=a)
+            staged = in_sbuf(a)
             tile = nl.ndarray(a.shape, dtype=a.dtype, buffer=buffer)
             nisa.tensor_copy(dst=tile, src=staged, engine=engine)
-            out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
-            nisa.dma_copy(dst=out, src=tile)
-            return out
+            return to_output(tile)
         return body
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_array_equal(run(through(nl.sbuf), a), a)
@@ -541,8 +516,7 @@ def test_dma_moves_between_sbuf_and_hbm_only():
 
 def test_matmul_holds_kernels_to_their_promises():
     def body(a, onezero):
-        t = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=a)
+        t = in_sbuf(a)
         acc = nl.ndarray((a.shape[1], a.shape[1]), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_matmul(dst=acc, stationary=t, moving=t, is_stationary_onezero=onezero)
         return a
@@ -584,8 +558,7 @@ def test_engine_operand_rules():
 
 def test_bitvec_operators_need_integers():
     def body(a):
-        f = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=f, src=a)
+        f = in_sbuf(a, nl.float32)
         nisa.tensor_tensor(dst=f, data1=f, data2=f, op=nl.bitwise_and)
         return copy_through_sbuf(a)
     with pytest.raises(EmulatorError, match="bitvec"):
@@ -597,14 +570,11 @@ def test_bitvec_scalar_operands_are_integer_tiles():
     encodes an immediate is not documented, so a Python number is refused and an integer (P, 1) tile passes."""
     def masked(operand):
         def body(a):
-            t = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=t, src=a)
+            t = in_sbuf(a, nl.int32)
             mask = nl.ndarray((a.shape[0], 1), dtype=nl.int32, buffer=nl.sbuf)
             nisa.memset(mask, value=-16)
             nisa.tensor_scalar(dst=t, data=t, op0=nl.bitwise_and, operand0=mask if operand is None else operand)
-            out = nl.ndarray(a.shape, dtype=nl.int32, buffer=nl.shared_hbm)
-            nisa.dma_copy(dst=out, src=t)
-            return out
+            return to_output(t)
         return body
 
     a = np.random.default_rng(578).integers(0, 1000, (2, 3)).astype(np.int32)
@@ -619,12 +589,9 @@ def test_arithmetic_scalar_operands_are_float32():
     is taken as that float32, as nki-library's kernels pass them (operand0=1 with nl.add); a
     non-number is refused."""
     def body(a, operand):
-        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=a)
+        t = in_sbuf(a, nl.float32)
         nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=operand)
-        out = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=t)
-        return out
+        return to_output(t)
     a = np.zeros((2, 2), np.float32)
     np.testing.assert_array_equal(run(lambda a: body(a, 1), a), a + 1)
     np.testing.assert_array_equal(run(lambda a: body(a, 1.0), a), a + 1)
@@ -635,8 +602,7 @@ def test_arithmetic_scalar_operands_are_float32():
 
 def test_engine_semantics():
     def body(a):
-        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=a)
+        t = in_sbuf(a, nl.float32)
         scan = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
         ones = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(ones, value=1.0)
@@ -652,12 +618,7 @@ def test_engine_semantics():
         nisa.tensor_scalar(dst=rounded, data=rounded, op0=nl.bitwise_and, operand0=mask)
         stt = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=stt, data=t, op0=nl.multiply, operand0=red, op1=nl.subtract, operand1=io)
-        outs = []
-        for tile in (scan, red, io, rounded, stt):
-            out = nl.ndarray(tile.shape, dtype=tile.dtype, buffer=nl.shared_hbm)
-            nisa.dma_copy(dst=out, src=tile)
-            outs.append(out)
-        return tuple(outs)
+        return tuple(to_output(tile) for tile in (scan, red, io, rounded, stt))
     a = np.array([[1, 2, 3], [4, 5, 6]], np.float32)
     scan, red, io, rounded, stt = run(body, a)
     np.testing.assert_array_equal(scan, np.cumsum(a, axis=1))
@@ -669,8 +630,7 @@ def test_engine_semantics():
 
 def test_reduce_axes_and_result_shape():
     def body(a):
-        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=a)
+        t = in_sbuf(a, nl.float32)
         red = nl.ndarray((a.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=red, op=nl.add, data=t, axis=1)  # keepdims=False gives shape (P,)
         return copy_through_sbuf(a)
@@ -680,13 +640,9 @@ def test_reduce_axes_and_result_shape():
 
 def test_engines_round_to_the_destination_dtype():
     def body(a):
-        t = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=a)
-        b = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=b, src=t)
-        out = nl.ndarray(a.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=b)
-        return out
+        t = in_sbuf(a, nl.float32)
+        b = in_sbuf(t, nl.bfloat16, copy=nisa.tensor_copy)
+        return to_output(b)
     a = np.array([[1.00390625, 1.01171875]], np.float32)  # halfway cases: ties to even
     np.testing.assert_array_equal(run(body, a).astype(np.float32), a.astype(ml_dtypes.bfloat16).astype(np.float32))
 
