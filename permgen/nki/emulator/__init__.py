@@ -52,7 +52,6 @@ import contextlib
 import functools
 import importlib.util
 import sys
-import threading
 
 import numpy as np
 
@@ -165,35 +164,23 @@ def _run(func, args, kwargs, grid):
 def _run_cores(func, args, kwargs, lnc: int, cost):
     """Run the kernel's program on `lnc` cores sharing HBM (see _cores), one thread each, taking turns."""
     launch = _cores.Launch(lnc)
-    results: list = [None] * lnc
-    errors: list = [None] * lnc
     rank = collectives._rank_context()
 
-    def core(c: int) -> None:
+    def core(c: int):
         collectives._enter_rank_context(rank)
         _core.reset_ledger()  # each core has its own SBUF and PSUM
         _core.set_cost(cost)  # one Cost for the launch: both cores' instructions
         _core.enter(launch, c)
         try:
             launch.wait_turn(c)
-            results[c] = func(*args, **kwargs)
+            result = func(*args, **kwargs)
             launch.sync(c, "the end of the kernel", last=True)
-        except BaseException as err:  # noqa: BLE001  (re-raised below, on the launching thread)
-            errors[c] = err
-            launch.fail()
+            return result
         finally:
             _core.leave()
 
-    threads = [threading.Thread(target=core, args=(c,), name=f"nki-core-{c}", daemon=True) for c in range(lnc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    failed = [(c, e) for c, e in enumerate(errors) if e is not None]
-    if failed:
-        c, err = next(((c, e) for c, e in failed if not isinstance(e, _cores._PeerFailed)), failed[0])
-        err.add_note(f"raised on core {c} of {lnc} (LNC={lnc})")
-        raise err
+    results = _core.run_threads(lnc, "nki-core", core, release=launch.fail,
+                                where=lambda c: f"raised on core {c} of {lnc} (LNC={lnc})")
     if any(_same_outputs(results[0], r) is False for r in results[1:]):
         raise EmulatorError("the cores returned different tensors: at LNC > 1 every core returns the same "
                             "shared_hbm outputs")

@@ -22,6 +22,10 @@ class EmulatorError(RuntimeError):
     """A kernel did something the NeuronCore would reject or that would read/write out of bounds."""
 
 
+class PeerFailed(EmulatorError):
+    """Raised in a core or rank released from its wait because another one failed: not the error to report."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Hardware constants of the NeuronCore (those that differ by version: Platform).
 PMAX = 128  # partitions of SBUF and PSUM
@@ -681,3 +685,31 @@ def next_shared_index() -> int:
     index = _local.shared_index
     _local.shared_index += 1
     return index
+
+
+def run_threads(count: int, name: str, body, release, where) -> list:
+    """body(i) for i < count, one daemon thread each (the cores of a launch, the ranks of run_ranks),
+    and their results in order. A thread that raises calls release(), which frees the others from
+    their waits (they raise PeerFailed); once every thread has ended, the first error that is not a
+    PeerFailed (else the first) is raised here, with the note where(i) naming the thread it came from."""
+    results: list = [None] * count
+    errors: list = [None] * count
+
+    def thread(i: int) -> None:
+        try:
+            results[i] = body(i)
+        except BaseException as err:  # noqa: BLE001  (re-raised below, on the calling thread)
+            errors[i] = err
+            release()
+
+    threads = [threading.Thread(target=thread, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+    if failed:
+        i, err = next(((i, e) for i, e in failed if not isinstance(e, PeerFailed)), failed[0])
+        err.add_note(where(i))
+        raise err
+    return results

@@ -35,13 +35,9 @@ import threading
 import numpy as np
 
 from . import _core
-from ._core import EmulatorError, current
+from ._core import EmulatorError, PeerFailed, current
 
 COLLECTIVE = 7  # the mark bit of bytes a collective wrote (cores use bits 0 .. 6)
-
-
-class _PeerFailed(EmulatorError):
-    pass
 
 
 class Launch:
@@ -64,7 +60,7 @@ class Launch:
             while self.turn != core and not self.failed:
                 self.cond.wait()
             if self.failed:
-                raise _PeerFailed("the other core failed")
+                raise PeerFailed("the other core failed")
 
     def fail(self) -> None:
         with self.cond:
@@ -83,7 +79,7 @@ class Launch:
                 while self.epoch_points == point and not self.failed:
                     self.cond.wait()
                 if self.failed:
-                    raise _PeerFailed("the other core failed")
+                    raise PeerFailed("the other core failed")
             else:
                 kinds = {c: (k, kk) for c, (k, kk, _) in self.arrived.items()}
                 if len({v for v in kinds.values()}) != 1:

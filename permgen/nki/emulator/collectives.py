@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _core, _cores
-from ._core import EmulatorError, Platform, Tensor
+from ._core import EmulatorError, PeerFailed, Platform, Tensor
 
 __all__ = ["Platform", "ReplicaGroup", "all_to_all", "all_to_all_v", "rank_id", "run_ranks"]
 
@@ -98,11 +98,7 @@ def _wait(world: _World) -> None:
     try:
         world.barrier.wait(timeout=BARRIER_TIMEOUT_S)
     except threading.BrokenBarrierError:
-        raise _PeerFailed("another rank failed or never reached this collective") from None
-
-
-class _PeerFailed(EmulatorError):
-    pass
+        raise PeerFailed("another rank failed or never reached this collective") from None
 
 
 def _exchange(kind: str, replica_group, payload) -> tuple[list[int], int, dict]:
@@ -325,27 +321,13 @@ def run_ranks(fn: Callable, rank_args: Sequence[Sequence[Any]], rank_kwargs: Seq
     if len(rank_kwargs) != size:
         raise EmulatorError("rank_args and rank_kwargs must have one entry per rank")
     world = _World(size, threading.Barrier(size))
-    results: list = [None] * size
-    errors: list = [None] * size
 
-    def body(rank: int) -> None:
+    def body(rank: int):
         _local.world, _local.rank = world, rank
         try:
-            results[rank] = fn(*rank_args[rank], **rank_kwargs[rank])
-        except BaseException as err:  # noqa: BLE001  (re-raised below, on the caller's thread)
-            errors[rank] = err
-            world.barrier.abort()
+            return fn(*rank_args[rank], **rank_kwargs[rank])
         finally:
             _local.world = None
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"nki-rank-{r}", daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, err = next(((r, e) for r, e in failed if not isinstance(e, _PeerFailed)), failed[0])
-        err.add_note(f"raised on rank {rank} of {size}")
-        raise err
-    return results
+    return _core.run_threads(size, "nki-rank", body, release=world.barrier.abort,
+                             where=lambda rank: f"raised on rank {rank} of {size}")
