@@ -17,35 +17,16 @@ from ._core import PSUM, SBUF, AccessPattern, EmulatorError, Tensor, VirtualRegi
 from .language import Operator
 
 
-class oob_mode(enum.Enum):  # noqa: N801  (mirrors nisa.oob_mode)
-    error = "error"
-    skip = "skip"
+def _mirrored(name: str, members: str) -> type[enum.Enum]:
+    """The enum nisa.<name>: its members, each valued by its name."""
+    return enum.Enum(name, [(member, member) for member in members.split()], module=__name__, qualname=name)
 
 
-_OobMode = oob_mode
-
-
-class dge_mode(enum.Enum):  # noqa: N801
-    unknown = "unknown"
-    swdge = "swdge"
-    hwdge = "hwdge"
-    none = "none"
-
-
-_DgeMode = dge_mode
-
-
-class engine(enum.Enum):  # noqa: N801  (mirrors nisa.engine)
-    tensor = "tensor"
-    vector = "vector"
-    scalar = "scalar"
-    gpsimd = "gpsimd"
-    dma = "dma"
-    sync = "sync"
-    unknown = "unknown"
-
-
-_Engine = engine
+oob_mode = _mirrored("oob_mode", "error skip")
+dge_mode = _mirrored("dge_mode", "unknown swdge hwdge none")
+engine = _mirrored("engine", "tensor vector scalar gpsimd dma sync unknown")
+# The functions below take arguments of these names: inside them, the enums by these.
+_OobMode, _DgeMode, _Engine = oob_mode, dge_mode, engine
 
 
 class nc_version(enum.Enum):  # noqa: N801  (mirrors nisa.nc_version)
