@@ -8,7 +8,7 @@ import torch
 from ..core.contract import check_permute, check_tensor, combine_dtype, prob_dtypes
 from ..core.oplayer import backward_refusing_twice, call_key, eager_apply
 from .compiled import EpOps
-from .group import group_facts, word
+from .group import group_facts, live_group, word
 from .plan import DispatchResult, EpHandle, plan_dispatch
 from .rows import combine_grads, combine_rows, dispatch_grads, dispatch_rows
 
@@ -144,7 +144,7 @@ def run_combine(ops, expert_out, handle, merging_probs=None):
     if torch.compiler.is_compiling():
         _check_combine(ops, expert_out, handle, merging_probs)
         return family.combine(expert_out, handle, merging_probs)
-    handle.group  # noqa: B018 (raises where the group was destroyed)
+    live_group(handle.facts.group_ref, name)  # (raises where it was destroyed)
     refused = None
     try:  # as in dispatch: a refusal here reaches every rank before the rows move
         family.checked("combine", _combine_key, _check_combine, ops, expert_out, handle, merging_probs)

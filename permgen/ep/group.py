@@ -37,13 +37,6 @@ class GroupFacts:
     # in the same order, so handles that belong together carry the same number on every rank.
     serials: Iterator[int] = field(default_factory=itertools.count, compare=False)
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        group = self.group_ref()
-        if group is None:
-            raise ValueError("the process group of this dispatch was destroyed")
-        return group
-
     def check_device(self, name, device):
         if self.device_type is not None and device.type != self.device_type:
             raise ValueError(f"{name}: the group's backend is {self.backend} but the tokens are on {device}")
@@ -70,6 +63,14 @@ def group_facts(name, group) -> GroupFacts:
         facts = _FACTS[group] = GroupFacts(world, rank, backend, "cuda" if backend == "nccl" else None, ref,
                                            LOCAL if world == 1 else Exchange(ref, world, rank, backend))
     return facts
+
+
+def live_group(group_ref, name="dispatch"):
+    """The group a weak reference refers to, or a ValueError where it was destroyed."""
+    group = group_ref()
+    if group is None:
+        raise ValueError(f"{name}: the process group of this dispatch was destroyed")
+    return group
 
 
 def _wire(t):
@@ -109,13 +110,14 @@ class Exchange:
         if rows > received:
             got = out[:received]
             out[received:].zero_()
-        dist.all_to_all_single(_wire(got), _wire(x.contiguous()), out_splits, in_splits, group=self.group_ref())
+        group = live_group(self.group_ref)
+        dist.all_to_all_single(_wire(got), _wire(x.contiguous()), out_splits, in_splits, group=group)
         return out
 
     def swap(self, sent):
         """sent [W, ...]: row d to rank d; returns the rows received, row s from rank s."""
         received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=self.group_ref())
+        dist.all_to_all_single(received, sent, group=live_group(self.group_ref))
         return received
 
     def counts(self, counts, local):
@@ -125,7 +127,7 @@ class Exchange:
         payload = counts.new_empty((2, self.world, local + 1))
         sent, received = payload
         torch.cat([counts[:-1].view(self.world, local), counts[-1:].expand(self.world, 1)], 1, out=sent)
-        dist.all_to_all_single(received, sent, group=self.group_ref())
+        dist.all_to_all_single(received, sent, group=live_group(self.group_ref))
         return payload, received
 
     def rows_per_expert(self, kept, res):
@@ -136,7 +138,7 @@ class Exchange:
     def _host_channel(self):
         channel = self._channel and self._channel()
         if channel is None:  # (held weakly too: torch's group registry keeps it until destroy_process_group)
-            group = self.group_ref()
+            group = live_group(self.group_ref)
             channel = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                      use_local_synchronization=True)
             self._channel = weakref.ref(channel)

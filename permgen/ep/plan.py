@@ -16,7 +16,7 @@ import torch
 from ..core.contract import routing_error
 from ..core.results import RowIdMap, RowMapLayout, row_map_words
 
-from .group import GroupFacts
+from .group import GroupFacts, live_group
 
 
 @dataclass
@@ -45,10 +45,7 @@ class EpHandle:
 
     @property
     def group(self):
-        group = self.facts.group_ref()
-        if group is None:
-            raise ValueError(f"{self.ops.name}: the process group of this dispatch was destroyed")
-        return group
+        return live_group(self.facts.group_ref, self.ops.name)
 
 
 class DispatchResult(NamedTuple):
