@@ -521,8 +521,8 @@ def sibling_variant(v):
 def check_group_freed(mod, world, me):
     """destroy_process_group frees a group that dispatched and combined, its results still alive:
     permgen keeps no strong reference to a group (a gloo group kept alive past it was torn down at
-    interpreter exit instead, which aborted the process now and then); the results' handle then
-    says its group is gone."""
+    interpreter exit instead, which aborted the process now and then); combine and the backward
+    pass of the results then say their group is gone."""
     v = mod.VARIANT
     group = torch.distributed.new_group(list(range(world)))
     g = torch.Generator().manual_seed(stable_seed("group_freed", world, me))
@@ -530,7 +530,9 @@ def check_group_freed(mod, world, me):
     tokens = make_tokens(v, 5, HIDDEN, g)
     routing = routing_from_ids(v, expert_ids(5, num_experts, 2, g), num_experts)
     probs = torch.rand(5, prob_columns(v, num_experts, 2), generator=g) if v["probs"] else None
-    res = mod.dispatch(*on_device(tokens, routing, probs), group=group, num_experts=num_experts)
+    tokens, routing, probs = on_device(tokens, routing, probs)
+    tokens.requires_grad_()
+    res = mod.dispatch(tokens, routing, probs, group=group, num_experts=num_experts)
     expert_out = torch.zeros(res.tokens.shape, dtype=combine_dtype(v), device=EP_DEVICE)
     mod.combine(expert_out, res.handle)
     freed = weakref.ref(group)
@@ -540,6 +542,8 @@ def check_group_freed(mod, world, me):
     assert freed() is None, f"the group outlived destroy_process_group, held by {gc.get_referrers(freed())}"
     with pytest.raises(ValueError, match="destroyed"):
         mod.combine(expert_out, res.handle)
+    with pytest.raises(ValueError, match="destroyed"):  # not an exchange over the default group
+        torch.autograd.grad(res.tokens.float().sum(), tokens)
 
 
 def check_no_host_sync(mod, group, world, me):
