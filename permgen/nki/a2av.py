@@ -244,38 +244,44 @@ def _slot_rows(first, rows, starts, counts, slot_rows):
     return index
 
 
+def _move_rows(dst, src, r0, rows, index, scatter=False, oob_mode=nisa.oob_mode.error):
+    """One tile of rows moved through SBUF, H_TILE columns at a time, by index (int32 [P, 1] SBUF row
+    numbers): gathered, dst[r0 + i] = src[index[i]], or scattered, dst[index[i]] = src[r0 + i], for
+    i < rows. Under oob_mode.skip a row whose index is out of bounds moves nothing: gathered, it reads
+    as zeros."""
+    hidden = src.shape[1]
+    for h0 in range(0, hidden, H_TILE):
+        width = min(H_TILE, hidden - h0)
+        moved = nl.ndarray((P, H_TILE), dtype=src.dtype, buffer=nl.sbuf)
+        indexed = (dst if scatter else src).ap([[hidden, rows], [1, width]], offset=h0,
+                                               vector_offset=index[0:rows, :], indirect_dim=0)
+        if scatter:
+            nisa.dma_copy(dst=moved[0:rows, 0:width], src=src[r0:r0 + rows, h0:h0 + width])
+            nisa.dma_copy(dst=indexed, src=moved[0:rows, 0:width], oob_mode=oob_mode)
+        else:
+            if oob_mode == nisa.oob_mode.skip:
+                _zero(moved[0:rows, 0:width])
+            nisa.dma_copy(dst=moved[0:rows, 0:width], src=indexed, oob_mode=oob_mode)
+            nisa.dma_copy(dst=dst[r0:r0 + rows, h0:h0 + width], src=moved[0:rows, 0:width])
+
+
 def _compact(out, slots, slot_rows, starts, counts):
     """out[r] = slots[j * slot_rows + r - starts[j]] for every row r of source j's segment; zero rows
     past the segments. Gathers only the rows out holds (none of a slot's unused tail)."""
-    capacity, hidden = out.shape
+    capacity = out.shape[0]
     for r0 in _my_tiles(capacity):
         rows = min(P, capacity - r0)
-        source = _slot_rows(r0, rows, starts, counts, slot_rows)
-        for h0 in range(0, hidden, H_TILE):
-            width = min(H_TILE, hidden - h0)
-            moved = nl.ndarray((P, H_TILE), dtype=out.dtype, buffer=nl.sbuf)
-            _zero(moved[0:rows, 0:width])
-            nisa.dma_copy(dst=moved[0:rows, 0:width],
-                          src=slots.ap([[hidden, rows], [1, width]], offset=h0, vector_offset=source[0:rows, :],
-                                       indirect_dim=0),
-                          oob_mode=nisa.oob_mode.skip)
-            nisa.dma_copy(dst=out[r0:r0 + rows, h0:h0 + width], src=moved[0:rows, 0:width])
+        _move_rows(out, slots, r0, rows, _slot_rows(r0, rows, starts, counts, slot_rows),
+                   oob_mode=nisa.oob_mode.skip)
 
 
 def _spread(slots, rows_in, num_rows, slot_rows, starts, counts):
     """slots[j * slot_rows + r - starts[j]] = rows_in[r] for the packed rows r < num_rows of segment j
     (the inverse of _compact). A segment longer than slot_rows is an out-of-bounds error."""
-    hidden = rows_in.shape[1]
     for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
-        target = _slot_rows(r0, rows, starts, counts, slot_rows)
-        for h0 in range(0, hidden, H_TILE):
-            width = min(H_TILE, hidden - h0)
-            moved = nl.ndarray((P, H_TILE), dtype=rows_in.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=moved[0:rows, 0:width], src=rows_in[r0:r0 + rows, h0:h0 + width])
-            nisa.dma_copy(dst=slots.ap([[hidden, rows], [1, width]], offset=h0, vector_offset=target[0:rows, :],
-                                       indirect_dim=0),
-                          src=moved[0:rows, 0:width], oob_mode=nisa.oob_mode.skip)
+        _move_rows(slots, rows_in, r0, rows, _slot_rows(r0, rows, starts, counts, slot_rows), scatter=True,
+                   oob_mode=nisa.oob_mode.skip)
 
 
 def _checked_counts(counts, capacity):
@@ -372,7 +378,13 @@ def _exchange(send, out, slot_rows, out_f, in_f, metadata, replica_group, exchan
     _sync(out)
 
 
-def _check_sizes(num_rows, capacity, hidden, ep, slot_rows):
+def _exchange_plan(replica_group, generation, exchange, num_rows, capacity, hidden, ep):
+    """(the exchange a kernel runs (exchange_for), the rows of one slot of its slotted layout) for num_rows
+    packed rows on this rank and capacity rows of the dispatch's receive buffer: all_to_all's fixed slots
+    hold capacity rows, all_to_all_v's the most either side holds. Sizes the kernels cannot count exactly
+    are refused."""
+    exchange = exchange_for(replica_group, generation, exchange, _cores()[1])
+    slot_rows = capacity if exchange == "all_to_all" else max(num_rows, capacity)
     widest = max(num_rows, capacity)
     if widest * hidden > A2AV_MAX_ELEMENTS:
         raise ValueError(f"{widest} rows of {hidden} elements do not fit uint32 all_to_all_v metadata")
@@ -380,22 +392,18 @@ def _check_sizes(num_rows, capacity, hidden, ep, slot_rows):
         raise ValueError(f"a2av kernels compute row counts times the odd part of H={hidden} exactly below {MAX_EXACT}")
     if 2 * ep * slot_rows + 1 >= MAX_EXACT:
         raise ValueError(f"{ep} slots of {slot_rows} rows: slot row indices must stay below {MAX_EXACT // 2}")
+    return exchange, slot_rows
 
 
-def _gather_packed(send, hidden_states, packed_source_indices, num_rows):
-    """send[i] = hidden_states[packed_source_indices[i]] for i < num_rows; an index outside [0, N) is an error."""
-    hidden = hidden_states.shape[1]
+def _move_packed_rows(dst, src, packed_source_indices, num_rows, scatter):
+    """Between the packed order and the routed rows, for i < num_rows: gathered, dst[i] =
+    src[packed_source_indices[i]] (the dispatch), or scattered, dst[packed_source_indices[i]] = src[i]
+    (the combine). An index out of bounds is an error."""
     for r0 in _my_tiles(num_rows):
         rows = min(P, num_rows - r0)
-        source = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=source[0:rows, :], src=packed_source_indices[r0:r0 + rows])
-        for h0 in range(0, hidden, H_TILE):
-            width = min(H_TILE, hidden - h0)
-            moved = nl.ndarray((P, H_TILE), dtype=hidden_states.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=moved[0:rows, 0:width],
-                          src=hidden_states.ap([[hidden, rows], [1, width]], offset=h0,
-                                               vector_offset=source[0:rows, :], indirect_dim=0))
-            nisa.dma_copy(dst=send[r0:r0 + rows, h0:h0 + width], src=moved[0:rows, 0:width])
+        index = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=index[0:rows, :], src=packed_source_indices[r0:r0 + rows])
+        _move_rows(dst, src, r0, rows, index, scatter)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,17 +428,15 @@ def permute_a2av_kernel(hidden_states, packed_source_indices, send_counts, recv_
     More rows arriving than recv_capacity is an error.
     """
     num_rows, hidden = hidden_states.shape
-    ep = send_counts.shape[1]
-    exchange = exchange_for(replica_group, generation, exchange, _cores()[1])
-    slot_rows = recv_capacity if exchange == "all_to_all" else max(num_rows, recv_capacity)
-    _check_sizes(num_rows, recv_capacity, hidden, ep, slot_rows)
+    exchange, slot_rows = _exchange_plan(replica_group, generation, exchange, num_rows, recv_capacity, hidden,
+                                         send_counts.shape[1])
 
     send_f, recv_f = _exchange_counts(send_counts, replica_group)
     metadata = _metadata(send_f, recv_f, hidden)
     # The packed send buffer; with receive slots it is one slot long (dst = EP x src).
     send = nl.ndarray((slot_rows if exchange == "all_to_all_v" else num_rows, hidden), dtype=hidden_states.dtype,
                       buffer=nl.shared_hbm)
-    _gather_packed(send, hidden_states, packed_source_indices, num_rows)
+    _move_packed_rows(send, hidden_states, packed_source_indices, num_rows, scatter=False)
     recv = nl.ndarray((recv_capacity, hidden), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
     _exchange(send, recv, slot_rows, send_f, recv_f, metadata, replica_group, exchange)
     return recv, metadata
@@ -452,10 +458,8 @@ def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, mer
     capacity, hidden = expert_output.shape
     num_rows = packed_source_indices.shape[0]
     num_tokens, top_k = merging_probs.shape
-    ep = send_counts.shape[1]
-    exchange = exchange_for(replica_group, generation, exchange, _cores()[1])
-    slot_rows = capacity if exchange == "all_to_all" else max(num_rows, capacity)
-    _check_sizes(num_rows, capacity, hidden, ep, slot_rows)
+    exchange, slot_rows = _exchange_plan(replica_group, generation, exchange, num_rows, capacity, hidden,
+                                         send_counts.shape[1])
 
     # What the dispatch sent to j comes back from j, and what it received from j goes back to j.
     sent_f, held_f = _exchange_counts(send_counts, replica_group)
@@ -470,16 +474,7 @@ def unpermute_a2av_kernel(expert_output, packed_source_indices, send_counts, mer
     # back[i] is the output for routed row packed_source_indices[i]: put it at that row, then merge.
     # by_row is shared: a core's tiles of back scatter anywhere, and each core merges its own tokens.
     by_row = nl.ndarray((num_rows, hidden), dtype=expert_output.dtype, buffer=nl.shared_hbm)
-    for r0 in _my_tiles(num_rows):
-        rows = min(P, num_rows - r0)
-        where = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=where[0:rows, :], src=packed_source_indices[r0:r0 + rows])
-        for h0 in range(0, hidden, H_TILE):
-            width = min(H_TILE, hidden - h0)
-            moved = nl.ndarray((P, H_TILE), dtype=expert_output.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=moved[0:rows, 0:width], src=back[r0:r0 + rows, h0:h0 + width])
-            nisa.dma_copy(dst=by_row.ap([[hidden, rows], [1, width]], offset=h0, vector_offset=where[0:rows, :],
-                                        indirect_dim=0), src=moved[0:rows, 0:width])
+    _move_packed_rows(by_row, back, packed_source_indices, num_rows, scatter=True)
 
     _sync(by_row)
     out = nl.ndarray((num_tokens, hidden), dtype=expert_output.dtype, buffer=nl.shared_hbm)
