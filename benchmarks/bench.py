@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,8 @@ import triton.language as tl
 
 import permgen
 from permgen.core.contract import combine_dtype, token_dtype
-from tables import run_metadata  # benchmarks/, this script's folder
+from common import per_call_us  # benchmarks/, this script's folder
+from tables import run_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -359,19 +359,9 @@ def run_variant(name, N, H, E, k, mod, call, copy_bw, results):
 
 
 def host_us(fn, calls=1000, blocks=5):
-    """Host-measured time per call: the median of blocks of calls (the hosts' speed drifts, up to 2x
-    between blocks of one process), after a warm-up."""
-    for _ in range(50):
-        fn()
-    times = []
-    for _ in range(blocks):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls // blocks):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / (calls // blocks) * 1e6)
-    return sorted(times)[blocks // 2]
+    """Host-measured time per call, on any device: the median of blocks of calls (the hosts' speed
+    drifts, up to 2x between blocks of one process), after a warm-up."""
+    return per_call_us(fn, max(1, calls // blocks), blocks, warmup=min(50, calls))
 
 
 def round_trip_us(mod, N=1024, H=1024, E=16, k=2, calls=1000, grad=False):
@@ -523,26 +513,6 @@ HOST_SHAPE = (1024, 1024, 16, 2)  # N, H, E, k: small enough that the host, not 
 HOST_VARIANT = "probs_bf16_index"
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _per_call_us(fn, calls, blocks=5):
-    """host_us on any device: the median of blocks of calls after a warm-up, synchronised around each block."""
-    for _ in range(min(50, calls)):
-        fn()
-    times = []
-    for _ in range(blocks):
-        _sync()
-        start = time.perf_counter()
-        for _ in range(max(1, calls // blocks)):
-            fn()
-        _sync()
-        times.append((time.perf_counter() - start) / max(1, calls // blocks) * 1e6)
-    return sorted(times)[blocks // 2]
-
-
 def _fresh_process_s(code):
     """Seconds a fresh interpreter takes to run `code` (which prints them), from the repository root."""
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
@@ -596,17 +566,17 @@ def host_cost(shape=HOST_SHAPE, calls=1000):
 
     args = (tokens, ids, probs, permuted)
     rows = {}
-    rows["eager one-op floor"] = _per_call_us(lambda: one_op(*args), calls)
-    rows["eager round trip"] = _per_call_us(lambda: round_trip(*args), calls)
-    rows["eager TE round trip (reads E back)"] = _per_call_us(lambda: te_round_trip(*args), calls)
+    rows["eager one-op floor"] = host_us(lambda: one_op(*args), calls)
+    rows["eager round trip"] = host_us(lambda: round_trip(*args), calls)
+    rows["eager TE round trip (reads E back)"] = host_us(lambda: te_round_trip(*args), calls)
     grads = (tokens.clone().requires_grad_(), ids, probs.clone().requires_grad_(), permuted.clone().requires_grad_())
-    rows["eager round trip, autograd"] = _per_call_us(lambda: round_trip(*grads), calls)
+    rows["eager round trip, autograd"] = host_us(lambda: round_trip(*grads), calls)
     # CUDA graphs (what reduce-overhead replays) exist only on GPUs; on the CPU the plain compile runs.
     mode = "reduce-overhead" if device == "cuda" else None
     compiled_one_op = torch.compile(one_op, mode=mode, fullgraph=True)
     compiled = torch.compile(round_trip, mode=mode, fullgraph=True)
-    rows["compiled one-op floor"] = _per_call_us(lambda: compiled_one_op(*args), calls)
-    rows["compiled round trip"] = _per_call_us(lambda: compiled(*args), calls)
+    rows["compiled one-op floor"] = host_us(lambda: compiled_one_op(*args), calls)
+    rows["compiled round trip"] = host_us(lambda: compiled(*args), calls)
     result = {name: round(us, 1) for name, us in rows.items()}
     result.update(
         eager_ratio=round(rows["eager round trip"] / rows["eager one-op floor"], 2),

@@ -33,7 +33,6 @@ script, not the speed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -47,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import permgen  # noqa: E402
-from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
+from common import captured, grouped_bars, timed_run_parser  # noqa: E402  (benchmarks/, this script's folder)
+from tables import run_metadata  # noqa: E402
 
 SHAPES = [("deepseek_v3", 16384, 7168, 256, 8), ("qwen3_moe", 16384, 2048, 128, 8),
           ("mixtral", 16384, 4096, 8, 2)]  # name, N, H, E, k
@@ -89,19 +89,6 @@ def timed(fn, group, iters, reps):
         samples.append(t.tolist())
     middle = len(samples) // 2
     return sorted(x[0] for x in samples)[middle], sorted(x[1] for x in samples)[middle]
-
-
-def captured(fn):
-    """fn captured in a CUDA graph (after a warm-up on a side stream): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def torch_dispatch(tokens, ids, probs, num_experts, group, world):
@@ -242,7 +229,7 @@ def run_shape(name, N, H, E, k, mod, group, rank, world, iters, reps):
     # than its eager call, while the replayed dispatch was not, so that difference means nothing.)
     if DEVICE == "cuda":
         for op in ("a2a_capacity", "dispatch_capacity", "combine_capacity"):
-            ops[f"{op}_graph"] = captured(ops[op])
+            ops[f"{op}_graph"] = captured(ops[op]).replay
     timings = {op: timed(fn, group, iters, reps) for op, fn in ops.items()}
     dropped = int(cap_res.handle.dropped.sum())
     dist.all_reduce(t := torch.tensor([dropped], device=DEVICE), group=group)
@@ -335,23 +322,12 @@ def report(results, gpu, world, backend):
 
 
 def plot(results, path, gpu, world):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ops = ["a2a", "dispatch", "dispatch_capacity", "torch_dispatch", "permute", "combine", "combine_capacity",
            "torch_combine", "unpermute"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(results)
-    for i, r in enumerate(results):
-        xs = [x + i * width for x in range(len(ops))]
-        ax.bar(xs, [r["time_us"][op] / 1e3 for op in ops], width, label=r["shape"], color=f"C{i}")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(ops))], ops, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("ms (slowest rank, median)")
-    ax.set_title(f"permgen dispatch / combine on {world} x {gpu} (NCCL), N=16384 tokens per rank")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    grouped_bars(path, ops, [(r["shape"], [r["time_us"][op] / 1e3 for op in ops]) for r in results],
+                 "ms (slowest rank, median)",
+                 f"permgen dispatch / combine on {world} x {gpu} (NCCL), N=16384 tokens per rank", rotation=20,
+                 ha="right")
 
 
 def render(out):
@@ -367,15 +343,11 @@ def render(out):
 
 def main(rank=None, world=None, args=None):
     if args is None:
-        parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-        parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-        parser.add_argument("--iters", type=int, default=10)
-        parser.add_argument("--reps", type=int, default=5)
+        parser = timed_run_parser(__doc__, 10, "recompute the summaries and bench_ep.txt from --out/bench_ep.json "
+                                               "(no GPU needed)")
         parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
         parser.add_argument("--cpu-smoke", action="store_true",
                             help="tiny shapes on the CPU over gloo under the Triton interpreter (no GPU needed)")
-        parser.add_argument("--render-only", action="store_true",
-                            help="recompute the summaries and bench_ep.txt from --out/bench_ep.json (no GPU needed)")
         args = parser.parse_args()
         if args.render_only:
             render(args.out)

@@ -23,8 +23,6 @@ import argparse
 import json
 import socket
 import sys
-import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -38,7 +36,11 @@ sys.path.insert(0, str(ROOT))
 import permgen  # noqa: E402
 from permgen import (moe_permute, moe_permute_and_pad_with_probs, moe_permute_with_probs,  # noqa: E402
                      moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs, moe_unpermute)
-from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
+from common import captured, per_call_us, sync  # noqa: E402  (benchmarks/, this script's folder)
+from tables import run_metadata  # noqa: E402
+
+sys.path.append(str(ROOT / "tests"))
+from cases import host_reads  # noqa: E402  (host reads counted as tests/test_host_path.py counts them)
 
 SHAPE = (1024, 1024, 16, 2)  # N, H, E, k
 SMOKE_SHAPE = (16, 32, 4, 2)
@@ -52,49 +54,28 @@ def _bare_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def host_us(fn, calls, blocks=7):
-    """Host time per call: the fastest of `blocks` blocks of back-to-back calls, each synchronised."""
-    for _ in range(min(20, calls)):
-        fn()
-    times = []
-    for _ in range(blocks):
-        _sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return min(times)
+    """Host time per call: the fastest of `blocks` blocks of `calls` back-to-back calls, each synchronised."""
+    return per_call_us(fn, calls, blocks, warmup=min(20, calls), fastest=True)
 
 
 def gpu_operations(fn):
-    """Kernels and memsets one call starts (the profiler's device events), and host reads it makes."""
+    """Kernels and memsets one call starts (the profiler's device events), and host reads it makes
+    (counted as the tests count them)."""
     if not torch.cuda.is_available():
         return None, None
     fn()
-    _sync()
+    sync()
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        _sync()
+        sync()
     launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and "memcpy" not in e.name.lower())
-    for _ in range(2):  # the second call's: the first under the debug mode may make one-time reads
-        _sync()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    reads = sum(1 for w in caught if "called a synchronizing" in str(w.message))
-    return launches, reads
+    sync()
+    host_reads(fn)  # the second call's count: the first under the debug mode may make one-time reads
+    sync()
+    return launches, host_reads(fn)
 
 
 def _one_rank_group(device):
@@ -177,15 +158,7 @@ def round_trip(device, tokens, mask, probs, permuted, mod, rows, calls):
     eager = host_us(step, calls)
     if device != "cuda":
         return dict(eager_us=round(eager, 1))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step, warmups=3)
     replay = host_us(graph.replay, calls)
     graph.reset()
     return dict(eager_us=round(eager, 1), graph_replay_us=round(replay, 1), ratio=round(eager / replay, 2),

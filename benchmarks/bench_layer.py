@@ -17,7 +17,6 @@ torch._grouped_mm on grouped rows. Writes bench_layer.json, .txt and .png (with 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -32,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 import permgen  # noqa: E402
 from permgen.triton import gemm as triton_gemm  # noqa: E402
 from permgen.layers.expert_mlp import row_tokens, segment_ends  # noqa: E402
-from tables import run_metadata  # noqa: E402  (benchmarks/, this script's folder)
+from common import grouped_bars, timed_run_parser  # noqa: E402  (benchmarks/, this script's folder)
+from tables import run_metadata  # noqa: E402
 
 SHAPES = [("qwen3_moe", 16384, 2048, 128, 8, 768), ("deepseek_v3", 16384, 7168, 256, 8, 2048),
           ("mixtral", 16384, 4096, 8, 2, 14336)]  # name, N, H, E, k, F
@@ -224,13 +224,8 @@ def sweep(name, N, H, E, k, Fw, mod):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=5)
+    parser = timed_run_parser(__doc__, 5, "rewrite bench_layer.txt and .png from --out/bench_layer.json (no GPU needed)")
     parser.add_argument("--sweep", action="store_true", help="time tile shapes of the gather GEMM instead")
-    parser.add_argument("--render-only", action="store_true",
-                        help="rewrite bench_layer.txt and .png from --out/bench_layer.json (no GPU needed)")
     args = parser.parse_args()
     if args.render_only:
         render(args.out)
@@ -286,30 +281,17 @@ def report(run):
 
 
 def plot(run, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     bars = [("layer_grouped_rows", "GEMMs on grouped rows"), ("layer_expert_mlp", "expert_mlp"),
             ("layer_fused", "expert_mlp(save_memory=True)"), ("layer_torch", "PyTorch permutation"),
             ("layer_fp8", "FP8 expert_mlp (weights quantised per step)"),
             ("layer_fp8_quantizing_weights", "FP8 expert_mlp (weights quantised per call)")]
     bars = [(key, label) for key, label in bars if all(key in r["time_us"] for r in run["results"])]
     results = run["results"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(bars)
-    for i, (key, label) in enumerate(bars):
-        xs = [x + i * width for x in range(len(results))]
-        ax.bar(xs, [r["time_us"][key] / r["time_us"]["layer_grouped_rows"] for r in results], width, label=label,
-               color=f"C{i}")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(results))],
-                  [f"{r['shape']}\nN={r['N']}" for r in results], fontsize=8)
-    ax.axhline(1.0, color="black", linewidth=0.6)
-    ax.set_ylabel("time / GEMMs on grouped rows")
-    ax.set_title(f"MoE expert layer, forward + backward, SwiGLU, {run['run']['gpu']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    grouped_bars(path, [f"{r['shape']}\nN={r['N']}" for r in results],
+                 [(label, [r["time_us"][key] / r["time_us"]["layer_grouped_rows"] for r in results])
+                  for key, label in bars],
+                 "time / GEMMs on grouped rows", f"MoE expert layer, forward + backward, SwiGLU, {run['run']['gpu']}",
+                 level=1.0)
 
 
 def render(out):
