@@ -29,10 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import tables  # noqa: E402
 
-# docs/architecture.md joins them once its one figure, index routing's row map at DeepSeek-V3's shape, is
-# rendered (<!-- fig:bookkeeping-probs_bf16_index -->).
-DOCS = [ROOT / "README.md", ROOT / "PERFORMANCE.md",
-        *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "architecture.md")]
+DOCS = [ROOT / "README.md", ROOT / "PERFORMANCE.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 CUDA = torch.cuda.is_available()
