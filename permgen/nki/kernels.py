@@ -36,7 +36,7 @@ import nki.isa as nisa  # noqa: E402
 import nki.language as nl  # noqa: E402
 
 __all__ = [
-    "P", "H_TILE", "core", "idle", "store", "nan_as_0x7f", "filled", "expert_columns",
+    "P", "H_TILE", "core", "idle", "store", "filled", "expert_columns",
     "experts_at", "route_counts_at", "segments_at", "row_map_words",
     "mask_token_routes", "index_token_routes", "expert_segments", "write_expert_counts", "store_segment_table",
     "no_token_rows", "route_tokens", "mask_write_routes", "index_write_routes", "gather_token_rows",
@@ -78,23 +78,6 @@ def store(dst, src, **kwargs):
     running the kernel beside it never overwrites what core 0 wrote."""
     if core() == 0:
         nisa.dma_copy(dst=dst, src=src, **kwargs)
-
-
-def nan_as_0x7f(quantized, moved, rows, cols):
-    """Every NaN of moved[0:rows, 0:cols] becomes the byte 0x7F in quantized, the GPU's NaN
-    (docs/quantization.md), set through an int8 view from moved != moved: no page says what the
-    minimum, the maximum and the write to float8_e4m3fn do with a NaN (its sign, whether a minimum
-    returns it)."""
-    nan_bits = nl.ndarray((P, H_TILE), dtype=nl.int8, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=nan_bits[0:rows, 0:cols], data1=moved[0:rows, 0:cols], data2=moved[0:rows, 0:cols],
-                       op=nl.not_equal)
-    keep = nl.ndarray((P, H_TILE), dtype=nl.int8, buffer=nl.sbuf)  # 0x7F at a NaN, else all ones
-    nisa.tensor_scalar(dst=keep[0:rows, 0:cols], data=nan_bits[0:rows, 0:cols], op0=nl.multiply, operand0=128.0,
-                       op1=nl.subtract, operand1=1.0)
-    nisa.tensor_scalar(dst=nan_bits[0:rows, 0:cols], data=nan_bits[0:rows, 0:cols], op0=nl.multiply, operand0=127.0)
-    byte = quantized[0:rows, 0:cols].view(nl.int8)
-    nisa.tensor_tensor(dst=byte, data1=byte, data2=nan_bits[0:rows, 0:cols], op=nl.bitwise_or)
-    nisa.tensor_tensor(dst=byte, data1=byte, data2=keep[0:rows, 0:cols], op=nl.bitwise_and)
 
 
 def _zero(tile):
